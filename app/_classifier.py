@@ -1,0 +1,116 @@
+"""The Transformers side of OpenJEV, shared by the reference scorer and the embedded backend.
+
+Both call the same unmodified `AutoModelForSequenceClassification` forward, so the embedded
+backend can be checked against the reference bit for bit where the arithmetic allows it:
+
+  exact   one unpadded forward per row, exactly what `score_reference.py` does by default.
+          CPU float32 results are bitwise equal to the reference's.
+  padded  rows of one scheduling step right-padded into one batch with an attention mask.
+          Faster on a GPU; on CPU it differs from the unpadded forward in the last bits
+          (different GEMM shapes), so the agreement tolerance applies.
+
+Pooling is Transformers' own: the rightmost token that is not `pad_token_id`
+(GenericForSequenceClassification), identical in both modes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from _common import LABELS, UserError, sha256_file
+from sglang_openjev.contract import check_label_order
+
+DTYPES = ("auto", "float16", "bfloat16", "float32")
+
+
+@dataclass
+class Classifier:
+    model: object
+    tokenizer: object | None
+    path: Path
+    device: str
+    dtype: str
+    vocab_size: int
+    pad_token_id: int | None
+    name: str
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device} asked for, but torch {torch.__version__} sees no CUDA device")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    if dtype == "auto":  # FP16 is the GPU reference of the spec; CPU has no fast FP16, so float32 (recorded)
+        return "float32" if device == "cpu" else "float16"
+    return dtype
+
+
+def load_classifier(path: str | Path, device: str = "auto", dtype: str = "auto") -> Classifier:
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise UserError(f"model directory {path} has no config.json")
+    config = json.loads((path / "config.json").read_text())
+    try:
+        check_label_order(config.get("id2label"), config.get("num_labels", len(config.get("id2label") or {})))
+    except ValueError as exc:
+        raise UserError(f"{path}: {exc}") from None
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=getattr(torch, dtype))
+    model = model.to(device).eval()
+    text_cfg = model.config.get_text_config()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        tokenizer = None
+    return Classifier(model=model, tokenizer=tokenizer, path=path, device=device, dtype=dtype,
+                      vocab_size=int(text_cfg.vocab_size), pad_token_id=text_cfg.pad_token_id, name=path.name)
+
+
+def score_exact(clf: Classifier, rows: list[list[int]]) -> np.ndarray:
+    """One unpadded forward per row -> float32 [n, 3] logits in C/E/N order."""
+    import torch
+
+    out = np.empty((len(rows), len(LABELS)), dtype=np.float32)
+    with torch.inference_mode():
+        for i, row in enumerate(rows):
+            ids = torch.tensor([row], dtype=torch.long, device=clf.device)
+            out[i] = clf.model(input_ids=ids).logits[0].float().cpu().numpy()
+    return out
+
+
+def score_padded(clf: Classifier, rows: list[list[int]]) -> np.ndarray:
+    """Rows right-padded into one forward with an attention mask -> float32 [n, 3]."""
+    import torch
+
+    if clf.pad_token_id is None:  # Transformers cannot pool a padded batch without a pad id
+        return score_exact(clf, rows)
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), clf.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        mask[i, : len(row)] = 1
+    with torch.inference_mode():
+        logits = clf.model(input_ids=ids.to(clf.device), attention_mask=mask.to(clf.device)).logits
+    return logits.float().cpu().numpy().astype(np.float32, copy=False)
+
+
+def weight_files(path: Path) -> list[dict]:
+    """sha256 of the checkpoint's weight and config files (resolving overlay symlinks)."""
+    names = sorted(p for p in path.iterdir()
+                   if p.suffix in (".safetensors", ".bin") or p.name in ("config.json", "model.safetensors.index.json"))
+    return [{"file": p.name, "sha256": sha256_file(p.resolve())} for p in names]
