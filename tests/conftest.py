@@ -1,0 +1,163 @@
+"""Shared fixtures: real scripts run as subprocesses, real servers on 127.0.0.1, real files.
+
+The tiny random-weight classifier is built once per test session with app/make_tiny_model.py
+and every fixture above it (overlay, token file, reference, server) goes through the same
+scripts an operator runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+
+REPO = Path(__file__).resolve().parents[1]
+APP = REPO / "app"
+SAMPLE = REPO / "data" / "nli_sample.jsonl"
+PY = sys.executable
+
+for p in (str(APP), str(REPO)):  # unit tests import app modules and sglang_openjev directly
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+
+def run_script(script: str, *args, env: dict | None = None, timeout: float = 300, check: bool = False,
+               cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """Run app/<script> (python or bash by suffix) and capture its output."""
+    path = APP / script
+    cmd = ["bash", str(path)] if path.suffix == ".sh" else [PY, str(path)]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, env=full_env,
+                          timeout=timeout, cwd=cwd)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def error_lines(stderr: str) -> list[str]:
+    """The script's own error lines (`<script>: error: ...`), ignoring library chatter."""
+    return [line for line in stderr.splitlines() if ": error: " in line]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tree_digest(root: Path) -> dict[str, tuple]:
+    """Every path under root with its type, link target, size and bytes hash (for 'unchanged' checks)."""
+    import hashlib
+
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if p.is_symlink():
+            out[rel] = ("link", os.readlink(p))
+        elif p.is_file():
+            out[rel] = ("file", hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mode)
+        else:
+            out[rel] = ("dir",)
+    return out
+
+
+# ---------------------------------------------------------------- model, overlay, tokens, reference
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> dict:
+    base = tmp_path_factory.mktemp("tiny")
+    run_script("make_tiny_model.py", base / "checkpoint", "--processor-out", base / "processor", check=True)
+    return {"checkpoint": base / "checkpoint", "processor": base / "processor"}
+
+
+@pytest.fixture(scope="session")
+def overlay(tiny_model, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("overlay") / "model"
+    run_script("prepare_v100_model.py", tiny_model["checkpoint"], out, "--processor-dir", tiny_model["processor"],
+               "--allow-unpinned", check=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def sample_tokens(overlay, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tokens") / "sample.tokens.jsonl"
+    run_script("tokenize_nli.py", "--model", overlay, "--inputs", SAMPLE, "--out", out, check=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def reference(overlay, sample_tokens, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ref") / "reference"
+    run_script("score_reference.py", "--model", overlay, "--tokens", sample_tokens, "--inputs", SAMPLE,
+               "--out", out, check=True)
+    return out
+
+
+def token_rows(path: Path) -> tuple[list[str], list[list[int]]]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r["id"] for r in rows], [r["input_ids"] for r in rows]
+
+
+# ---------------------------------------------------------------- a real embedded server
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+def start_server(model: Path, log: Path, *extra, port: int | None = None, wait: bool = True,
+                 timeout: float = 180, env: dict | None = None) -> Server:
+    port = port or free_port()
+    cmd = [PY, str(APP / "serve_transformers.py"), str(model), str(port), *map(str, extra)]
+    fh = open(log, "wb")
+    proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    srv = Server(proc, port, log)
+    if wait:
+        wait_healthy(srv, timeout)
+    return srv
+
+
+def wait_healthy(srv: Server, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if srv.proc.poll() is not None:
+            raise AssertionError(f"server exited with {srv.proc.returncode}:\n{srv.log.read_text()[-2000:]}")
+        try:
+            if requests.get(f"{srv.url}/health", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.2)
+    srv.stop()
+    raise AssertionError(f"server not healthy after {timeout} s:\n{srv.log.read_text()[-2000:]}")
+
+
+@pytest.fixture(scope="module")
+def server(overlay, tmp_path_factory):
+    srv = start_server(overlay, tmp_path_factory.mktemp("srv") / "server.log")
+    yield srv
+    srv.stop()

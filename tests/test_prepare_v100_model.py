@@ -1,0 +1,275 @@
+"""prepare_v100_model.py on real files: symlink overlay, hash checks, refusals, idempotence,
+and the pinned hub download served from a loopback HTTP server speaking the hub's resolve API."""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import json
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, error_lines, run_script, tree_digest
+
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+
+
+def sources_with(tmp_path: Path, *, revision=None, pins=None) -> Path:
+    src = json.loads((REPO / "HF_SOURCE.json").read_text())
+    src["base_model"]["revision"] = revision
+    src["base_model"]["files"] = pins or {"preprocessor_config.json": None, "video_preprocessor_config.json": None}
+    path = tmp_path / "HF_SOURCE.json"
+    path.write_text(json.dumps(src))
+    return path
+
+
+def real_pins(processor: Path) -> dict:
+    return {n: hashlib.sha256((processor / n).read_bytes()).hexdigest()
+            for n in ("preprocessor_config.json", "video_preprocessor_config.json")}
+
+
+def copy_checkpoint(tiny_model, tmp_path: Path, edit=None) -> Path:
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_model["checkpoint"], ckpt)
+    if edit:
+        cfg = json.loads((ckpt / "config.json").read_text())
+        edit(cfg)
+        (ckpt / "config.json").write_text(json.dumps(cfg))
+    return ckpt
+
+
+def assert_refused(proc, out: Path, *words):
+    assert proc.returncode != 0
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1, proc.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+    assert not out.exists()
+    assert not [p for p in out.parent.iterdir() if ".partial" in p.name], "half-made staging left behind"
+
+
+def test_overlay_links_every_entry_and_leaves_checkpoint_untouched(tiny_model, tmp_path):
+    ckpt = tiny_model["checkpoint"]
+    before = tree_digest(ckpt)
+    out = tmp_path / "model"
+    proc = run_script("prepare_v100_model.py", ckpt, out, "--processor-dir", tiny_model["processor"],
+                      "--sources", sources_with(tmp_path, pins=real_pins(tiny_model["processor"])))
+    assert proc.returncode == 0, proc.stderr
+    assert tree_digest(ckpt) == before
+    for entry in ckpt.iterdir():
+        link = out / entry.name
+        assert link.is_symlink() and link.resolve() == entry.resolve()
+    for name in ("preprocessor_config.json", "video_preprocessor_config.json"):
+        assert (out / name).is_file() and not (out / name).is_symlink()
+        assert (out / name).read_bytes() == (tiny_model["processor"] / name).read_bytes()
+    marker = json.loads((out / ".openjev_overlay.json").read_text())
+    assert marker["checkpoint"] == str(ckpt.resolve())
+    assert marker["allow_unpinned"] is False
+    assert all(e["pinned"] for e in marker["processor_files"].values())
+
+
+def test_rerun_is_idempotent(tiny_model, tmp_path):
+    out = tmp_path / "model"
+    args = ("prepare_v100_model.py", tiny_model["checkpoint"], out, "--processor-dir", tiny_model["processor"],
+            "--allow-unpinned")
+    run_script(*args, check=True)
+    before = tree_digest(out)
+    mtime = (out / ".openjev_overlay.json").stat().st_mtime_ns
+    proc = run_script(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert "nothing to do" in proc.stdout
+    assert tree_digest(out) == before
+    assert (out / ".openjev_overlay.json").stat().st_mtime_ns == mtime
+
+
+def test_rerun_after_checkpoint_gains_a_file_rebuilds_atomically(tiny_model, tmp_path):
+    ckpt = copy_checkpoint(tiny_model, tmp_path)
+    out = tmp_path / "model"
+    args = ("prepare_v100_model.py", ckpt, out, "--processor-dir", tiny_model["processor"], "--allow-unpinned")
+    run_script(*args, check=True)
+    (ckpt / "generation_config.json").write_text("{}")
+    proc = run_script(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "generation_config.json").resolve() == (ckpt / "generation_config.json").resolve()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".model.")]
+
+
+@pytest.mark.parametrize("edit,words", [
+    (lambda c: c.update(num_labels=2, id2label={"0": "contradiction", "1": "entailment"}), ["3-label"]),
+    (lambda c: c.update(model_type="llama"), ["model_type", "llama"]),
+    (lambda c: c.update(architectures=["Qwen3_5ForCausalLM"]), ["architectures"]),
+    (lambda c: c.update(id2label={"0": "entailment", "1": "contradiction", "2": "neutral"}), ["id2label"]),
+], ids=["two-labels", "not-qwen3.5", "not-a-classifier", "wrong-label-order"])
+def test_refuses_a_checkpoint_that_is_not_openjev(tiny_model, tmp_path, edit, words):
+    ckpt = copy_checkpoint(tiny_model, tmp_path, edit)
+    before = tree_digest(ckpt)
+    out = tmp_path / "model"
+    proc = run_script("prepare_v100_model.py", ckpt, out, "--processor-dir", tiny_model["processor"],
+                      "--allow-unpinned")
+    assert_refused(proc, out, "not an OpenJEV classifier", *words)
+    assert tree_digest(ckpt) == before
+
+
+def test_refuses_hash_mismatch_even_with_allow_unpinned(tiny_model, tmp_path):
+    pins = real_pins(tiny_model["processor"])
+    pins["video_preprocessor_config.json"] = "0" * 64
+    out = tmp_path / "model"
+    proc = run_script("prepare_v100_model.py", tiny_model["checkpoint"], out, "--processor-dir",
+                      tiny_model["processor"], "--sources", sources_with(tmp_path, pins=pins), "--allow-unpinned")
+    assert_refused(proc, out, "video_preprocessor_config.json", "sha256", "0" * 64)
+
+
+def test_refuses_null_pin_without_allow_unpinned(tiny_model, tmp_path):
+    out = tmp_path / "model"
+    proc = run_script("prepare_v100_model.py", tiny_model["checkpoint"], out, "--processor-dir",
+                      tiny_model["processor"], "--sources", sources_with(tmp_path))
+    assert_refused(proc, out, "no pinned sha256", "--allow-unpinned")
+
+
+def test_refuses_missing_processor_file(tiny_model, tmp_path):
+    proc_dir = tmp_path / "proc"
+    proc_dir.mkdir()
+    shutil.copy(tiny_model["processor"] / "preprocessor_config.json", proc_dir)
+    out = tmp_path / "model"
+    proc = run_script("prepare_v100_model.py", tiny_model["checkpoint"], out, "--processor-dir", proc_dir,
+                      "--allow-unpinned")
+    assert_refused(proc, out, "video_preprocessor_config.json")
+
+
+def test_refuses_an_existing_out_it_did_not_make(tiny_model, tmp_path):
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    before = tree_digest(out)
+    proc = run_script("prepare_v100_model.py", tiny_model["checkpoint"], out, "--processor-dir",
+                      tiny_model["processor"], "--allow-unpinned")
+    assert proc.returncode != 0
+    assert len(error_lines(proc.stderr)) == 1 and "not an overlay" in proc.stderr
+    assert tree_digest(out) == before
+
+
+def test_refuses_an_overlay_of_another_checkpoint_unless_replace(tiny_model, tmp_path):
+    other = copy_checkpoint(tiny_model, tmp_path)
+    out = tmp_path / "model"
+    run_script("prepare_v100_model.py", tiny_model["checkpoint"], out, "--processor-dir", tiny_model["processor"],
+               "--allow-unpinned", check=True)
+    proc = run_script("prepare_v100_model.py", other, out, "--processor-dir", tiny_model["processor"], "--allow-unpinned")
+    assert proc.returncode != 0 and "--replace" in error_lines(proc.stderr)[0]
+    proc = run_script("prepare_v100_model.py", other, out, "--processor-dir", tiny_model["processor"],
+                      "--allow-unpinned", "--replace")
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "config.json").resolve() == (other / "config.json").resolve()
+
+
+def test_missing_checkpoint_is_one_clear_line(tmp_path):
+    proc = run_script("prepare_v100_model.py", tmp_path / "nope", tmp_path / "model")
+    assert proc.returncode != 0 and error_lines(proc.stderr) == [
+        f"prepare_v100_model.py: error: checkpoint {tmp_path / 'nope'} is not a directory"]
+
+
+def test_default_out_is_under_openjev_root(tiny_model, tmp_path):
+    proc = run_script("prepare_v100_model.py", tiny_model["checkpoint"], "--processor-dir", tiny_model["processor"],
+                      "--allow-unpinned", env={"OPENJEV_V100_ROOT": str(tmp_path / "root")})
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "root" / "model" / ".openjev_overlay.json").is_file()
+
+
+# ---------------------------------------------------------------- pinned hub download over loopback
+class FakeHub(http.server.ThreadingHTTPServer):
+    """Serves /{repo}/resolve/{revision}/{file} as the hub does: HEAD metadata, then GET bytes."""
+
+    def __init__(self, files: dict[str, bytes], revision: str):
+        self.files, self.revision, self.requests = files, revision, []
+        super().__init__(("127.0.0.1", 0), _HubHandler)
+
+
+class _HubHandler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *a):  # keep test output clean
+        pass
+
+    def _resolve(self):
+        self.server.requests.append((self.command, self.path))
+        parts = self.path.split("?")[0].strip("/").split("/")
+        # Qwen/Qwen3.5-4B/resolve/<rev>/<file>
+        if len(parts) == 5 and parts[2] == "resolve" and parts[3] == self.server.revision and parts[4] in self.server.files:
+            return self.server.files[parts[4]]
+        return None
+
+    def _headers(self, body: bytes | None):
+        if body is None:
+            self.send_response(404)
+            self.send_header("X-Error-Code", "EntryNotFound")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return False
+        self.send_response(200)
+        self.send_header("X-Repo-Commit", self.server.revision)
+        self.send_header("ETag", '"' + hashlib.sha256(body).hexdigest() + '"')
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        return True
+
+    def do_HEAD(self):
+        self._headers(self._resolve())
+
+    def do_GET(self):
+        body = self._resolve()
+        if self._headers(body):
+            self.wfile.write(body)
+
+
+@pytest.fixture()
+def fake_hub(tiny_model):
+    files = {n: (tiny_model["processor"] / n).read_bytes()
+             for n in ("preprocessor_config.json", "video_preprocessor_config.json")}
+    hub = FakeHub(files, REVISION)
+    threading.Thread(target=hub.serve_forever, daemon=True).start()
+    yield hub
+    hub.shutdown()
+
+
+def hub_env(hub, tmp_path):
+    return {"HF_ENDPOINT": f"http://127.0.0.1:{hub.server_address[1]}", "HF_HUB_CACHE": str(tmp_path / "hfcache"),
+            "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_ETAG_TIMEOUT": "5", "HF_HUB_DOWNLOAD_TIMEOUT": "5"}
+
+
+def test_downloads_processor_configs_at_the_pinned_revision(tiny_model, fake_hub, tmp_path):
+    out = tmp_path / "model"
+    src = sources_with(tmp_path, revision=REVISION, pins=real_pins(tiny_model["processor"]))
+    proc = run_script("prepare_v100_model.py", tiny_model["checkpoint"], out, "--sources", src,
+                      env=hub_env(fake_hub, tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert {p for _, p in fake_hub.requests} >= {
+        f"/Qwen/Qwen3.5-4B/resolve/{REVISION}/preprocessor_config.json",
+        f"/Qwen/Qwen3.5-4B/resolve/{REVISION}/video_preprocessor_config.json"}
+    marker = json.loads((out / ".openjev_overlay.json").read_text())
+    assert marker["processor_files"]["preprocessor_config.json"]["source"].startswith(f"hf://Qwen/Qwen3.5-4B@{REVISION}")
+
+
+def test_downloaded_file_with_wrong_hash_is_refused(tiny_model, fake_hub, tmp_path):
+    pins = real_pins(tiny_model["processor"])
+    pins["preprocessor_config.json"] = hashlib.sha256(b"something else").hexdigest()
+    out = tmp_path / "model"
+    proc = run_script("prepare_v100_model.py", tiny_model["checkpoint"], out,
+                      "--sources", sources_with(tmp_path, revision=REVISION, pins=pins), env=hub_env(fake_hub, tmp_path))
+    assert_refused(proc, out, "preprocessor_config.json", "sha256")
+
+
+def test_unpinned_revision_refuses_to_download(tiny_model, fake_hub, tmp_path):
+    out = tmp_path / "model"
+    proc = run_script("prepare_v100_model.py", tiny_model["checkpoint"], out,
+                      "--sources", sources_with(tmp_path, pins=real_pins(tiny_model["processor"])),
+                      env=hub_env(fake_hub, tmp_path))
+    assert_refused(proc, out, "pins no revision")
+    assert fake_hub.requests == []
+
+
+def test_help_documents_the_options():
+    proc = run_script("prepare_v100_model.py", "--help")
+    assert proc.returncode == 0
+    for flag in ("--processor-dir", "--sources", "--allow-unpinned", "--replace", "OPENJEV_V100_ROOT"):
+        assert flag in proc.stdout

@@ -1,0 +1,213 @@
+"""The embedded backend over real HTTP on 127.0.0.1: contract, errors, batching, lifecycle."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import requests
+
+from conftest import error_lines, free_port, run_script, start_server, token_rows, wait_healthy
+
+LABELS = ["contradiction", "entailment", "neutral"]
+
+
+def classify(url, body, raw=False):
+    data = body if raw else json.dumps(body)
+    return requests.post(f"{url}/classify", data=data, headers={"Content-Type": "application/json"}, timeout=120)
+
+
+def test_logits_equal_the_reference_bitwise(server, sample_tokens, reference):
+    ids, rows = token_rows(sample_tokens)
+    resp = classify(server.url, {"input_ids": rows})
+    assert resp.status_code == 200
+    body = resp.json()
+    assert body["labels"] == LABELS
+    got = np.asarray(body["logits"], dtype=np.float32)
+    ref = np.load(reference / "reference.npy")
+    assert got.shape == (len(rows), 3)
+    assert np.array_equal(got, ref), np.abs(got - ref).max()
+
+
+def test_single_row_form_and_input_order(server, sample_tokens, reference):
+    _, rows = token_rows(sample_tokens)
+    ref = np.load(reference / "reference.npy")
+    one = classify(server.url, {"input_ids": rows[3]}).json()["logits"]
+    assert np.array_equal(np.asarray(one, dtype=np.float32), ref[3:4])
+    rev = classify(server.url, {"input_ids": rows[::-1]}).json()["logits"]
+    assert np.array_equal(np.asarray(rev, dtype=np.float32), ref[::-1])
+
+
+@pytest.mark.parametrize("body,status,words", [
+    (b"{not json", 400, ["not valid JSON"]),
+    (b"[1, 2]", 400, ["JSON object"]),
+    ({"input_ids": []}, 400, ["empty"]),
+    ({"input_ids": [[1, 2], []]}, 400, ["row 1", "empty"]),
+    ({"input_ids": [[1, 2.5]]}, 400, ["not an integer"]),
+    ({"input_ids": [[1, True]]}, 400, ["not an integer"]),
+    ({"input_ids": [["7"]]}, 400, ["not an integer"]),
+    ({"input_ids": [[1, 512]]}, 400, ["out of vocabulary", "512"]),
+    ({"input_ids": [[-1]]}, 400, ["out of vocabulary"]),
+    ({"input_ids": [[1] * 8192]}, 400, ["8192", "context length", "exactly equal"]),
+    ({"input_ids": [[1]] * 513}, 413, ["513", "512"]),
+    ({"input_ids": [[1]], "text": "x"}, 400, ["exactly one"]),
+    ({}, 400, ["exactly one"]),
+], ids=["bad-json", "not-object", "empty", "empty-row", "float", "bool", "string", "oov", "negative",
+        "at-context-length", "over-batch-limit", "ids-and-text", "nothing"])
+def test_each_error_case(server, body, status, words):
+    resp = classify(server.url, body, raw=isinstance(body, bytes))
+    assert resp.status_code == status
+    err = resp.json()["error"]
+    assert err["code"] == status and err["type"]
+    for w in words:
+        assert w in err["message"], err["message"]
+
+
+def test_one_below_context_length_is_accepted(overlay, tmp_path):
+    srv = start_server(overlay, tmp_path / "log", "--context-length", "64")
+    try:
+        assert classify(srv.url, {"input_ids": [[5] * 63]}).status_code == 200
+        resp = classify(srv.url, {"input_ids": [[5] * 64]})
+        assert resp.status_code == 400 and "64" in resp.json()["error"]["message"]
+    finally:
+        srv.stop()
+
+
+def test_bad_rows_do_not_disturb_concurrent_good_requests(server, sample_tokens, reference):
+    _, rows = token_rows(sample_tokens)
+    ref = np.load(reference / "reference.npy")
+    bad = {"input_ids": [rows[0], [1, 10**9]]}
+
+    def good(i):
+        sel = [(i + k) % len(rows) for k in range(5)]
+        r = classify(server.url, {"input_ids": [rows[j] for j in sel]})
+        return r.status_code, np.asarray(r.json()["logits"], dtype=np.float32), sel
+
+    with ThreadPoolExecutor(12) as pool:
+        goods = [pool.submit(good, i) for i in range(16)]
+        bads = [pool.submit(classify, server.url, bad) for _ in range(8)]
+        for f in goods:
+            status, got, sel = f.result()
+            assert status == 200 and np.array_equal(got, ref[sel])
+        for f in bads:
+            assert f.result().status_code == 400
+    info = requests.get(f"{server.url}/server_info").json()
+    assert info["counters"]["steps"] < info["counters"]["requests"], "concurrent requests were never batched together"
+
+
+def test_text_input_uses_the_tokenizer(server, overlay):
+    from transformers import AutoTokenizer
+
+    text = "Premise: the cat sleeps.\nHypothesis: an animal rests."
+    ids = AutoTokenizer.from_pretrained(overlay)(text)["input_ids"]
+    by_text = classify(server.url, {"text": [text]}).json()["logits"]
+    by_ids = classify(server.url, {"input_ids": [ids]}).json()["logits"]
+    assert by_text == by_ids
+
+
+def test_v1_classify_shape_softmax_and_raw(server, sample_tokens, reference):
+    _, rows = token_rows(sample_tokens)
+    ref = np.load(reference / "reference.npy")
+    body = requests.post(f"{server.url}/v1/classify", json={"model": "m", "input": rows[:3]}).json()
+    assert body["object"] == "list" and body["id"].startswith("classify-")
+    assert [d["index"] for d in body["data"]] == [0, 1, 2]
+    for d, r in zip(body["data"], ref[:3]):
+        assert d["num_classes"] == 3 and d["label"] == LABELS[int(np.argmax(r))]
+        e = np.exp(r.astype(np.float64) - r.max())
+        assert np.allclose(d["probs"], e / e.sum(), rtol=0, atol=1e-7)
+        assert math.isclose(sum(d["probs"]), 1.0, abs_tol=1e-9)
+    assert body["usage"]["prompt_tokens"] == sum(len(r) for r in rows[:3])
+    raw = requests.post(f"{server.url}/v1/classify", json={"model": "m", "input": rows[:3], "use_activation": False}).json()
+    assert np.array_equal(np.asarray([d["probs"] for d in raw["data"]], dtype=np.float32), ref[:3])
+    bad = requests.post(f"{server.url}/v1/classify", json={"model": "m", "input": [[1, 99999]]})
+    assert bad.status_code == 400 and "out of vocabulary" in bad.json()["error"]["message"]
+
+
+def test_flush_cache_is_a_counted_no_op_and_server_info(server, overlay):
+    before = requests.get(f"{server.url}/server_info").json()["flush_cache_calls"]
+    r = requests.post(f"{server.url}/flush_cache")
+    assert r.status_code == 200 and r.json()["flushed"] is False and "no prefix cache" in r.json()["message"]
+    info = requests.get(f"{server.url}/server_info").json()
+    assert info["flush_cache_calls"] == before + 1
+    from sglang_openjev.contract import SERVER_INFO_KEYS
+
+    assert set(SERVER_INFO_KEYS) <= set(info)
+    assert info["backend"] == "transformers" and info["dtype"] == "float32" and info["device"] == "cpu"
+    assert info["context_length"] == 8192 and info["radix_cache"] is False and info["batching"] == "exact"
+    assert info["model_path"] == str(overlay)
+
+
+def test_health_is_503_while_loading_then_200(overlay, tmp_path):
+    srv = start_server(overlay, tmp_path / "log", wait=False)
+    try:
+        statuses = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                r = requests.get(f"{srv.url}/health", timeout=2)
+            except requests.ConnectionError:
+                time.sleep(0.05)
+                continue
+            statuses.append(r.status_code)
+            if r.status_code == 503:
+                c = classify(srv.url, {"input_ids": [[1, 2]]})
+                assert c.status_code == 503 and c.json()["error"]["type"] == "service_unavailable"
+            if r.status_code == 200:
+                break
+            time.sleep(0.05)
+        assert statuses[0] == 503 and statuses[-1] == 200, statuses
+    finally:
+        srv.stop()
+
+
+def test_port_in_use_is_refused(overlay):
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    port = holder.getsockname()[1]
+    try:
+        proc = run_script("serve_transformers.py", overlay, port, timeout=60)
+        assert proc.returncode == 1
+        assert error_lines(proc.stderr) == [
+            error_lines(proc.stderr)[0]] and f"port {port} on 127.0.0.1 is already in use" in proc.stderr
+    finally:
+        holder.close()
+
+
+def test_model_that_fails_to_load_exits_nonzero_with_one_line(tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "num_labels": 3,
+                                                 "id2label": {"0": "contradiction", "1": "entailment", "2": "neutral"}}))
+    proc = run_script("serve_transformers.py", bad, free_port(), timeout=120)
+    assert proc.returncode == 1
+    assert len(error_lines(proc.stderr)) == 1 and "failed to load" in error_lines(proc.stderr)[0]
+
+
+def test_padded_batching_agrees_within_float32_tolerance(overlay, sample_tokens, reference, tmp_path):
+    _, rows = token_rows(sample_tokens)
+    ref = np.load(reference / "reference.npy")
+    srv = start_server(overlay, tmp_path / "log", "--batching", "padded", "--max-running-requests", "8")
+    try:
+        got = np.asarray(classify(srv.url, {"input_ids": rows}).json()["logits"], dtype=np.float32)
+        info = requests.get(f"{srv.url}/server_info").json()
+    finally:
+        srv.stop()
+    assert info["batching"] == "padded" and info["counters"]["forward_passes"] == math.ceil(len(rows) / 8)
+    assert np.abs(got - ref).max() < 1e-5
+    assert (got.argmax(1) == ref.argmax(1)).all()
+
+
+def test_sigterm_stops_gracefully(overlay, tmp_path):
+    srv = start_server(overlay, tmp_path / "log")
+    # uvicorn finishes in-flight requests, then re-raises the signal it caught, as a Unix
+    # server should (systemd counts SIGTERM as a clean stop).
+    assert srv.stop(signal.SIGTERM) in (0, -signal.SIGTERM)
+    log = srv.log.read_text()
+    assert "Shutting down" in log and "Finished server process" in log
