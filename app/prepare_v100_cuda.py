@@ -328,7 +328,8 @@ def plan_components(manifest: dict, names: Sequence[str], platform: str, base_ur
     if missing:
         available = sorted(k for k, v in manifest.items() if isinstance(v, dict))
         raise UserError(f"component(s) {', '.join(missing)} missing from {manifest_name} "
-                        f"(it has {len(available)} components, e.g. {', '.join(available[:6])}); nothing was downloaded")
+                        f"(it has {len(available)} components, e.g. {', '.join(available[:6])}); "
+                        "nothing was downloaded")
     plans: list[ComponentPlan] = []
     for name in names:
         entry = manifest[name]
@@ -488,6 +489,16 @@ def iter_body(resp: requests.Response) -> Iterator[bytes]:
 _TRANSFER_ERRORS = (requests.RequestException, urllib3.exceptions.HTTPError, http.client.HTTPException, OSError)
 
 
+def transfer_reason(exc: BaseException) -> str:
+    """A short cause for a broken transfer (urllib3's messages nest the whole exception chain)."""
+    if isinstance(exc, (urllib3.exceptions.ReadTimeoutError, requests.Timeout, TimeoutError)):
+        return "read timed out"
+    if isinstance(exc, (urllib3.exceptions.ProtocolError, requests.exceptions.ChunkedEncodingError,
+                        http.client.IncompleteRead, ConnectionError)):
+        return "connection broken"
+    return one_line(exc)
+
+
 def transfer(session: requests.Session, plan: ComponentPlan, part: Path, timeout: float,
              console: Console) -> tuple[int, bool]:
     """One HTTP attempt that appends to `part`. Returns (bytes now in part, whether it resumed).
@@ -542,7 +553,7 @@ def transfer(session: requests.Session, plan: ComponentPlan, part: Path, timeout
                         except _TRANSFER_ERRORS as exc:
                             raise Interrupted(f"download of {plan.filename} broke off after "
                                               f"{format_bytes(offset + written)} of {format_bytes(plan.size)} "
-                                              f"({one_line(exc)})") from None
+                                              f"({transfer_reason(exc)})") from None
                         if not chunk:
                             break
                         if offset + written + len(chunk) > plan.size:
@@ -645,26 +656,28 @@ def extract_component(archive: Path, plan: ComponentPlan, staging: Path, owners:
                 if len(rel.parts) == 1 and not member.isdir():
                     rel = PurePosixPath("licenses", plan.name, rel.name)
                 key = str(rel)
+                other = owners.get(key, "another component")
                 dest = staging.joinpath(*rel.parts)
                 _refuse_symlinked_parents(staging, rel, member.name)
                 try:
                     dest.parent.mkdir(parents=True, exist_ok=True)
                 except (FileExistsError, NotADirectoryError):
-                    raise UserError(f"{plan.name}: {key} needs a folder where {owners.get(str(rel.parent), 'another component')} "
-                                    "put a file") from None
+                    raise UserError(f"{plan.name}: {key} needs a folder where "
+                                    f"{owners.get(str(rel.parent), 'another component')} put a file") from None
                 if member.isdir():
                     if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
-                        raise UserError(f"{plan.name}: folder {key} collides with a file from {owners.get(key, 'another component')}")
+                        raise UserError(f"{plan.name}: folder {key} collides with a file from {other}")
                     dest.mkdir(exist_ok=True)
                     dest.chmod(0o755)
                     continue
                 if member.issym():
                     if not symlink_stays_inside(rel, member.linkname):
-                        raise UserError(f"{plan.name}: symlink {key} -> {member.linkname!r} points outside the toolkit")
+                        raise UserError(f"{plan.name}: symlink {key} -> {member.linkname!r} points outside "
+                                        "the toolkit")
                     if os.path.lexists(dest):
                         if dest.is_symlink() and os.readlink(dest) == member.linkname:
                             continue
-                        raise UserError(f"{plan.name}: {key} is also provided by {owners.get(key, 'another component')}")
+                        raise UserError(f"{plan.name}: {key} is also provided by {other}")
                     os.symlink(member.linkname, dest)
                 elif member.isreg() or member.islnk():
                     source = None
@@ -690,8 +703,8 @@ def extract_component(archive: Path, plan: ComponentPlan, staging: Path, owners:
                         same = dest.is_file() and not dest.is_symlink() and _same_file_content(tmp, dest)
                         tmp.unlink()
                         if not same:
-                            raise UserError(f"{plan.name}: {key} is also provided, with different content, by "
-                                            f"{owners.get(key, 'another component')}")
+                            raise UserError(f"{plan.name}: {key} is also provided, with different content, "
+                                            f"by {other}")
                         continue
                     extracted[archive_rel] = dest
                 else:
@@ -757,10 +770,12 @@ def existing_state(target: Path, identity: dict) -> tuple[str, str]:
     if receipt is None:
         return "differs", f"{target} exists and has no complete {RECEIPT_NAME} from this script"
     if receipt_identity(receipt) != identity:
-        return "differs", f"{target} holds a different toolkit ({_describe_difference(receipt_identity(receipt), identity)})"
+        difference = _describe_difference(receipt_identity(receipt), identity)
+        return "differs", f"{target} holds a different toolkit ({difference})"
     have = count_installed(target)
     if have != receipt.get("installed_files"):
-        return "differs", f"{target} was modified after install ({have} files, its receipt says {receipt.get('installed_files')})"
+        return "differs", (f"{target} was modified after install ({have} files, its receipt says "
+                           f"{receipt.get('installed_files')})")
     return "same", ""
 
 
@@ -791,10 +806,21 @@ def acquire_lock(root: Path, dirname: str):
 
 
 def remove_stale(root: Path, dirname: str, console: Console) -> None:
-    """Staging/aside trees of runs that were killed (we hold the lock, so none is live)."""
-    for pattern in (f".{dirname}-staging-*", f".{dirname}-old-*"):
-        for path in sorted(root.glob(pattern)):
-            console.line(f"removing {path.name} left by an earlier run that was killed")
+    """Clean up after runs that were killed (we hold the lock, so none of them is live).
+
+    Staging trees are deleted. A tree a --force run had moved aside is put back when it was killed
+    before its replacement took the name; otherwise it is deleted.
+    """
+    for path in sorted(root.glob(f".{dirname}-staging-*")):
+        console.line(f"removing {path.name} left by an earlier run that was killed")
+        remove_tree(path)
+    target = root / dirname
+    for path in sorted(root.glob(f".{dirname}-old-*")):
+        if not os.path.lexists(target):
+            console.line(f"restoring {dirname} from {path.name}, moved aside by a --force run that was killed")
+            os.rename(path, target)
+        else:
+            console.line(f"removing {path.name} left by an earlier --force run that was killed")
             remove_tree(path)
 
 
@@ -818,7 +844,8 @@ def print_plan(plans: Sequence[ComponentPlan], source: ManifestSource, manifest_
     if status == "same":
         print(f"existing install: same toolkit; a real run {'reinstalls it (--force)' if force else 'is a no-op'}")
     elif status == "differs":
-        print(f"existing install: {reason}; a real run {'replaces it (--force)' if force else 'refuses without --force'}")
+        action = "replaces it (--force)" if force else "refuses without --force"
+        print(f"existing install: {reason}; a real run {action}")
     print("dry run: nothing downloaded or changed")
 
 
@@ -892,21 +919,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     manifest = parse_manifest(manifest_bytes, version, source.url)
     plans = plan_components(manifest, names, platform, source.base_url, f"redistrib_{version}.json")
     identity = plan_identity(version, platform, manifest_sha, plans)
-    state = existing_state(target, identity)
 
     if args.dry_run:
-        print_plan(plans, source, manifest_sha, target, download_dir, state, args.force)
+        print_plan(plans, source, manifest_sha, target, download_dir, existing_state(target, identity), args.force)
         return 0
-    if state[0] == "same" and not args.force:
-        console.line(f"already installed: CUDA {version} ({platform}) in {target} matches its receipt; nothing to do")
-        return 0
-    if state[0] == "differs" and not args.force:
-        raise UserError(f"{state[1]}; refusing to replace it (pass --force)")
 
     root.mkdir(parents=True, exist_ok=True)
     lock_fd = acquire_lock(root, dirname)
     try:
         remove_stale(root, dirname, console)
+        state, reason = existing_state(target, identity)
+        if state == "same" and not args.force:
+            console.line(f"already installed: CUDA {version} ({platform}) in {target} matches its receipt; "
+                         "nothing to do")
+            return 0
+        if state == "differs" and not args.force:
+            raise UserError(f"{reason}; refusing to replace it (pass --force)")
         download_dir.mkdir(exist_ok=True)
         if not args.skip_space_check:
             check_space(root, download_dir, plans)
@@ -966,7 +994,7 @@ def install_tree(root: Path, dirname: str, target: Path, archives: Iterable[Path
             os.rename(target, aside)
             try:
                 os.rename(staging, target)
-            except OSError:
+            except BaseException:
                 os.rename(aside, target)
                 raise
             remove_tree(aside)

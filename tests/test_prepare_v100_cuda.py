@@ -331,9 +331,43 @@ def test_unpacking_refuses_writing_through_a_symlink(tmp_path: Path):
         cuda.extract_component(archive, plan, tmp_path / "staging", {})
 
 
+def _component(tmp_path: Path, name: str, files, links=None, raw_members=None):
+    top = f"{name}-{PLATFORM}-1.0-archive"
+    data = _tar_xz(top, files, links or {}, raw_members=raw_members)
+    path = tmp_path / f"{top}.tar.xz"
+    path.write_bytes(data)
+    return path, cuda.ComponentPlan(name, "1.0", f"{name}/{PLATFORM}/{top}.tar.xz",
+                                    hashlib.sha256(data).hexdigest(), len(data), "http://x/")
+
+
+def test_unpacking_merges_components_and_keeps_inner_links(tmp_path: Path):
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    owners: dict[str, str] = {}
+    hard = _member(f"cuda_a-{PLATFORM}-1.0-archive/lib/libsame.so", tarfile.LNKTYPE,
+                   f"cuda_a-{PLATFORM}-1.0-archive/lib/liba.so.1")
+    a = _component(tmp_path, "cuda_a", {"lib/liba.so.1": (b"A", 0o755), "include/common.h": (b"same", 0o644),
+                                        "LICENSE": (b"a", 0o644)}, {"lib/liba.so": "liba.so.1"}, [hard])
+    b = _component(tmp_path, "cuda_b", {"include/b.h": (b"B", 0o644), "include/common.h": (b"same", 0o644),
+                                        "LICENSE": (b"b", 0o644)})
+    assert cuda.extract_component(*a, staging, owners) == 5
+    assert cuda.extract_component(*b, staging, owners) == 2  # identical include/common.h is not counted twice
+    assert (staging / "lib/libsame.so").read_bytes() == b"A" and not (staging / "lib/libsame.so").is_symlink()
+    assert os.readlink(staging / "lib/liba.so") == "liba.so.1"
+    assert (staging / "licenses/cuda_a/LICENSE").read_bytes() == b"a"
+    assert (staging / "licenses/cuda_b/LICENSE").read_bytes() == b"b"
+    c = _component(tmp_path, "cuda_c", {"include/common.h": (b"different", 0o644)})
+    with pytest.raises(UserError, match="with different content, by cuda_a"):
+        cuda.extract_component(*c, staging, owners)
+    assert (staging / "include/common.h").read_bytes() == b"same"
+    cuda.finalize_tree(staging)
+    assert os.readlink(staging / "lib64") == "lib"
+
+
 # ---------------------------------------------------------------- end to end
 def test_install_produces_exactly_the_listed_files(tmp_path: Path, release: Release, server, pinned: Path):
     root = tmp_path / "root"
+    (root / ".cuda126-staging-999999/bin").mkdir(parents=True)  # left by a run that was killed
     proc = run(root, server, pinned)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""  # not a TTY: no progress bars; progress lines go to stdout
@@ -381,6 +415,18 @@ def test_rerun_on_finished_install_is_a_noop(tmp_path: Path, release: Release, s
     (root / "cuda126/include/cub/cub.cuh").unlink()
     state, reason = cuda.existing_state(root / "cuda126", identity)
     assert state == "differs" and "modified after install" in reason
+
+
+def test_leftovers_of_killed_runs_are_cleaned_or_restored(tmp_path: Path):
+    console = cuda.Console(quiet=True)
+    (tmp_path / ".cuda126-staging-41/bin").mkdir(parents=True)
+    (tmp_path / ".cuda126-old-42/bin").mkdir(parents=True)  # --force run killed between its two renames
+    cuda.remove_stale(tmp_path, "cuda126", console)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cuda126"]
+    assert (tmp_path / "cuda126/bin").is_dir()
+    (tmp_path / ".cuda126-old-43").mkdir()  # killed after the new tree took the name: just delete
+    cuda.remove_stale(tmp_path, "cuda126", console)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cuda126"]
 
 
 def test_a_second_concurrent_run_is_refused(tmp_path: Path):
