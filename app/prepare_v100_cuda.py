@@ -70,8 +70,8 @@ DEFAULT_BASE_URL = "https://developer.download.nvidia.com/compute/cuda/redist/"
 ARCHIVE_SUFFIX = ".tar.xz"
 MANIFEST_MAX_BYTES = 8 << 20
 CHUNK = 1 << 20
-# Unpacked size / archive size, rounded up from NVIDIA's xz archives; only used by the free-space
-# guard (--skip-space-check turns it off).
+# A deliberately generous estimate of unpacked size / xz archive size (not measured on NVIDIA's
+# archives); only the free-space guard uses it, and --skip-space-check turns that off.
 UNPACK_FACTOR = 4
 
 # The component set a source build of sgl-kernel (a torch C++/CUDA extension configured through
