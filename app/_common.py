@@ -106,11 +106,13 @@ def load_sources(path: str | os.PathLike | None = None) -> dict:
         raise UserError(f"pinned-source file {path} is not valid JSON: {exc}") from None
 
 
-def require_pin(value: str | None, what: str, allow_unpinned: bool) -> str | None:
+def require_pin(value: str | None, what: str, allow_unpinned: bool,
+                source: str | os.PathLike | None = None) -> str | None:
     """Return the pinned value, or refuse on null unless the operator passed --allow-unpinned."""
     if value is None and not allow_unpinned:
         raise UserError(
-            f"{what} has no pinned sha256 in HF_SOURCE.json (null); refusing to use it unverified "
+            f"{what} has no pinned sha256 in {Path(source).name if source else 'HF_SOURCE.json'} (null); "
+            "refusing to use it unverified "
             "(pass --allow-unpinned to override; the override is recorded in the receipt)"
         )
     return value
