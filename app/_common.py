@@ -90,9 +90,11 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
 
 
-def refuse_existing(path: str | os.PathLike, overwrite: bool = False, what: str = "output") -> None:
+def refuse_existing(path: str | os.PathLike, overwrite: bool = False, what: str = "output",
+                    flag: str | None = "--overwrite") -> None:
     if Path(path).exists() and not overwrite:
-        raise UserError(f"{what} {path} already exists; refusing to overwrite (pass --overwrite to replace it)")
+        hint = f" (pass {flag} to replace it)" if flag else ""
+        raise UserError(f"{what} {path} already exists; refusing to overwrite it{hint}")
 
 
 # ---------------------------------------------------------------- pinned sources
