@@ -1,0 +1,437 @@
+#!/usr/bin/env bash
+# serve_sglang_v100.sh CHECKPOINT PORT [extra flags...]
+#
+# Launches the OpenJEV classifier server: SGLang (the pinned V100 runtime) by default, or the
+# embedded Transformers backend with OPENJEV_BACKEND=transformers. systemd units call this
+# script; it `exec`s the server so the unit sees the server's PID. See --help for every flag
+# and environment variable.
+set -euo pipefail
+
+readonly PROG=serve_sglang_v100.sh
+SCRIPT_DIR=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd -P)
+BUNDLE_ROOT=$(dirname -- "$SCRIPT_DIR")
+readonly SCRIPT_DIR BUNDLE_ROOT
+
+# Built-in defaults (SPEC section 3, "app/serve_sglang_v100.sh").
+readonly DEFAULT_HOST=127.0.0.1
+readonly DEFAULT_CONTEXT_LENGTH=8192
+readonly DEFAULT_MAX_RUNNING_REQUESTS=16
+readonly DEFAULT_SCHEDULE_POLICY=lpm
+readonly DEFAULT_MEM_FRACTION_STATIC=0.8
+readonly DEFAULT_MAMBA_FULL_MEMORY_RATIO=3
+readonly ADAPTER_PACKAGE=sglang_openjev
+
+die() {
+    printf '%s: error: %s\n' "$PROG" "$*" >&2
+    exit 1
+}
+
+usage_error() {
+    printf '%s: error: %s (see --help)\n' "$PROG" "$*" >&2
+    exit 2
+}
+
+usage() {
+    cat <<'EOF'
+usage: serve_sglang_v100.sh CHECKPOINT PORT [--host HOST] [--disable-radix-cache]
+                            [--print-command] [--help] [SGLANG_FLAG ...]
+
+Launch the OpenJEV NLI classifier server on one GPU and `exec` it (the server keeps this
+process's PID, as systemd expects). Binds 127.0.0.1 unless --host says otherwise. Refuses a
+port that already has a listener.
+
+Positional arguments
+  CHECKPOINT   model directory (normally the overlay $OPENJEV_V100_ROOT/model)
+  PORT         TCP port to listen on (1-65535)
+
+Launcher flags (anywhere on the line; never passed to the server as written)
+  | flag                  | meaning                                                              |
+  |-----------------------|----------------------------------------------------------------------|
+  | --host HOST           | bind HOST instead of 127.0.0.1 (binding beyond loopback is explicit) |
+  | --disable-radix-cache | no prefix cache: passed on, and the mamba strategy becomes no_buffer |
+  | --print-command       | print the environment (KEY=VALUE lines) and the exact command,      |
+  |                       | shell-quoted, then exit 0 without launching (no port check)          |
+  | -h, --help            | this help                                                            |
+  Every other flag after CHECKPOINT PORT passes through to the server unchanged, after the
+  launcher's own flags. A pass-through flag that the launcher also sets (e.g.
+  --mem-fraction-static 0.7) replaces the launcher's value: each flag appears once.
+  --port and --model-path are refused as flags: give them as CHECKPOINT and PORT.
+
+Flags given to SGLang (names of the pinned runtime haohervchb/sglang-V100@dca48890)
+  | flag                            | value                       | override                    |
+  |---------------------------------|-----------------------------|-----------------------------|
+  | --model-path                    | CHECKPOINT                  | positional                  |
+  | --host / --port                 | 127.0.0.1 / PORT            | --host, positional          |
+  | --is-embedding                  | (classifier, not generator) |                             |
+  | --dtype                         | float16                     | flag                        |
+  | --context-length                | 8192                        | CONTEXT_LENGTH, flag        |
+  | --mem-fraction-static           | 0.8                         | MEM_FRACTION_STATIC, flag   |
+  | --max-running-requests          | 16                          | MAX_RUNNING_REQUESTS, flag  |
+  | --schedule-policy               | lpm                         | SCHEDULE_POLICY, flag       |
+  | --disable-cuda-graph            | (CUDA graphs off)           |                             |
+  | --disable-piecewise-cuda-graph  | (CUDA graphs off)           |                             |
+  | --mamba-scheduler-strategy      | extra_buffer; no_buffer     | --disable-radix-cache, flag |
+  |                                 | with --disable-radix-cache  |                             |
+  | --mamba-full-memory-ratio       | 3                           | MAMBA_FULL_MEMORY_RATIO,flag|
+  | --attention-backend             | tilelang_fa_v100 (SM70 only)| flag                        |
+  | --linear-attn-prefill-backend   | tilelang (SM70 only)        | flag                        |
+  | --linear-attn-decode-backend    | triton (SM70 only)          | flag                        |
+  On a GPU newer than SM70 the three backend flags are left out (SGLang's stock backends)
+  and the SM70-only environment below is not set; everything else is the same.
+
+Environment read by the launcher
+  | variable                 | default                          | meaning                        |
+  |--------------------------|----------------------------------|--------------------------------|
+  | OPENJEV_BACKEND          | sglang                           | sglang, or transformers (the   |
+  |                          |                                  | embedded backend, same CLI:    |
+  |                          |                                  | app/serve_transformers.py; no  |
+  |                          |                                  | GPU/TileLang/GCC 10/CUDA_HOME) |
+  | OPENJEV_V100_ROOT        | ~/storage/sglang-openjev-v100    | bundle root: venv, caches, ... |
+  | OPENJEV_PYTHON           | $ROOT/venv/bin/python if present,| interpreter that runs the      |
+  |                          | else python3                     | server and the port check      |
+  | CUDA_VISIBLE_DEVICES     | 0                                | GPU to launch on               |
+  | OPENJEV_GPU_ARCH         | from nvidia-smi compute_cap of   | sm70 -> TileLang V100 profile; |
+  |                          | the first CUDA_VISIBLE_DEVICES   | sm75 and newer -> stock;       |
+  |                          | entry                            | e.g. OPENJEV_GPU_ARCH=sm90     |
+  | CONTEXT_LENGTH           | 8192                             | --context-length               |
+  | MAX_RUNNING_REQUESTS     | 16                               | --max-running-requests         |
+  | SCHEDULE_POLICY          | lpm                              | --schedule-policy              |
+  | MEM_FRACTION_STATIC      | 0.8                              | --mem-fraction-static          |
+  | MAMBA_FULL_MEMORY_RATIO  | 3                                | --mamba-full-memory-ratio      |
+  | SGLANG_V100_DYNAMIC_PAGED| 1                                | 0 restores static TileLang     |
+  |                          |                                  | paged-kernel selection (SM70)  |
+  | OPENJEV_CC, OPENJEV_CXX  | gcc-10, g++-10 found on PATH     | JIT host compilers; both or    |
+  |                          |                                  | neither (override for GCC 10)  |
+  Precedence: a pass-through flag beats its environment variable, which beats the default.
+
+Environment set for the server
+  | variable                      | value                                                    |
+  |-------------------------------|----------------------------------------------------------|
+  | CUDA_VISIBLE_DEVICES          | as above                                                 |
+  | OPENJEV_BACKEND               | sglang or transformers                                   |
+  | OPENJEV_ARCH_PROFILE          | sm70-tilelang or stock (SGLang only; /server_info shows) |
+  | OPENJEV_V100_ROOT             | the root                                                 |
+  | PYTHONPATH                    | bundle root first, so the adapter package imports        |
+  | SGLANG_EXTERNAL_MODEL_PACKAGE | sglang_openjev (SGLang only)                             |
+  | SGLANG_MAMBA_CONV_DTYPE       | float16 (SM70 only)                                      |
+  | SGLANG_MAMBA_SSM_DTYPE        | float16 (SM70 only)                                      |
+  | SGLANG_V100_DYNAMIC_PAGED     | 1 or 0 (SM70 only)                                       |
+  | CC, CXX, CUDAHOSTCXX          | GCC 10 (required on SM70; used elsewhere when present)   |
+  | CUDA_HOME, PATH               | $ROOT/cuda126 and its bin/ first, when that exists       |
+  | TILELANG_CACHE_DIR            | $ROOT/tilelang_cache                                     |
+  | TRITON_CACHE_DIR              | $ROOT/triton                                             |
+  | FLASHINFER_WORKSPACE_BASE     | $ROOT/flashinfer_workspace (JIT: .cache/flashinfer)      |
+  | TORCH_EXTENSIONS_DIR          | $ROOT/torch_extensions                                   |
+  | CUDA_CACHE_PATH               | $ROOT/cuda_cache                                         |
+  JIT cache directories are created at launch (not with --print-command).
+
+Exit status: the server's own once it runs; 1 with one line on stderr when the launcher
+refuses (port in use, no GCC 10 on SM70, unknown GPU); 2 for usage errors.
+
+Examples
+  serve_sglang_v100.sh ~/storage/sglang-openjev-v100/model 31003
+  CUDA_VISIBLE_DEVICES=3 MAX_RUNNING_REQUESTS=32 serve_sglang_v100.sh MODEL 31003 --disable-radix-cache
+  serve_sglang_v100.sh MODEL 31003 --print-command
+EOF
+}
+
+# ------------------------------------------------------------------ small helpers
+is_positive_int() { [[ $1 =~ ^[1-9][0-9]*$ ]]; }
+is_positive_number() { [[ $1 =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)$ && ! $1 =~ ^0*\.?0*$ ]]; }
+
+# True when the operator passed FLAG (as `FLAG` or `FLAG=value`) among the pass-through flags.
+operator_gave() {
+    local flag=$1 arg
+    for arg in "${EXTRA[@]}"; do
+        [[ $arg == "$flag" || $arg == "$flag="* ]] && return 0
+    done
+    return 1
+}
+
+# Append a launcher default to CMD unless the operator passed the same flag.
+add_default() {
+    operator_gave "$1" && return 0
+    CMD+=("$@")
+}
+
+expand_home() {
+    local path=$1 tilde='~'
+    if [[ $path == "$tilde" || $path == "$tilde/"* ]]; then
+        [[ -n ${HOME:-} ]] || die "HOME is not set; cannot expand $path"
+        path=$HOME${path#"$tilde"}
+    fi
+    printf '%s' "$path"
+}
+
+# ------------------------------------------------------------------ arguments
+PRINT_COMMAND=0
+HOST=$DEFAULT_HOST
+DISABLE_RADIX=0
+POSITIONAL=()
+EXTRA=()
+
+parse_args() {
+    while (($#)); do
+        case $1 in
+            -h | --help)
+                usage
+                exit 0
+                ;;
+            --print-command) PRINT_COMMAND=1 ;;
+            --host)
+                (($# >= 2)) || usage_error "--host needs a value"
+                HOST=$2
+                shift
+                ;;
+            --host=*) HOST=${1#--host=} ;;
+            --disable-radix-cache) DISABLE_RADIX=1 ;;
+            --port | --port=* | --model-path | --model-path=* | --model | --model=*)
+                usage_error "give the checkpoint and the port as the positional arguments CHECKPOINT PORT, not as $1"
+                ;;
+            *)
+                if ((${#POSITIONAL[@]} < 2 && ${#EXTRA[@]} == 0)) && [[ $1 != -* ]]; then
+                    POSITIONAL+=("$1")
+                else
+                    EXTRA+=("$1")
+                fi
+                ;;
+        esac
+        shift
+    done
+    ((${#POSITIONAL[@]} == 2)) || usage_error "expected CHECKPOINT and PORT"
+    CHECKPOINT=${POSITIONAL[0]}
+    PORT=${POSITIONAL[1]}
+    [[ -n $HOST ]] || usage_error "--host needs a non-empty value"
+    if ! [[ $PORT =~ ^[0-9]{1,5}$ ]] || ((10#$PORT < 1 || 10#$PORT > 65535)); then
+        usage_error "PORT must be an integer from 1 to 65535, got '$PORT'"
+    fi
+    PORT=$((10#$PORT))
+    [[ -d $CHECKPOINT ]] || die "checkpoint directory '$CHECKPOINT' does not exist"
+    if operator_gave --disable-radix-cache; then DISABLE_RADIX=1; fi
+}
+
+# ------------------------------------------------------------------ settings from the environment
+read_settings() {
+    BACKEND=${OPENJEV_BACKEND:-sglang}
+    case $BACKEND in
+        sglang | transformers) ;;
+        *) die "OPENJEV_BACKEND must be sglang or transformers, got '$BACKEND'" ;;
+    esac
+
+    if [[ -n ${OPENJEV_V100_ROOT:-} ]]; then
+        ROOT=$(expand_home "$OPENJEV_V100_ROOT")
+    else
+        [[ -n ${HOME:-} ]] || die "neither OPENJEV_V100_ROOT nor HOME is set"
+        ROOT=$HOME/storage/sglang-openjev-v100
+    fi
+
+    CONTEXT_LENGTH_V=${CONTEXT_LENGTH:-$DEFAULT_CONTEXT_LENGTH}
+    is_positive_int "$CONTEXT_LENGTH_V" || die "CONTEXT_LENGTH must be a positive integer, got '$CONTEXT_LENGTH_V'"
+    MAX_RUNNING_V=${MAX_RUNNING_REQUESTS:-$DEFAULT_MAX_RUNNING_REQUESTS}
+    is_positive_int "$MAX_RUNNING_V" || die "MAX_RUNNING_REQUESTS must be a positive integer, got '$MAX_RUNNING_V'"
+    SCHEDULE_POLICY_V=${SCHEDULE_POLICY:-$DEFAULT_SCHEDULE_POLICY}
+    [[ $SCHEDULE_POLICY_V =~ ^[a-z][a-z_-]*$ ]] || die "SCHEDULE_POLICY must be a policy name such as lpm or fcfs, got '$SCHEDULE_POLICY_V'"
+    MEM_FRACTION_V=${MEM_FRACTION_STATIC:-$DEFAULT_MEM_FRACTION_STATIC}
+    if ! is_positive_number "$MEM_FRACTION_V" || ! awk -v v="$MEM_FRACTION_V" 'BEGIN { exit !(v > 0 && v <= 1) }'; then
+        die "MEM_FRACTION_STATIC must be a number in (0, 1], got '$MEM_FRACTION_V'"
+    fi
+    MAMBA_RATIO_V=${MAMBA_FULL_MEMORY_RATIO:-$DEFAULT_MAMBA_FULL_MEMORY_RATIO}
+    is_positive_number "$MAMBA_RATIO_V" || die "MAMBA_FULL_MEMORY_RATIO must be a positive number, got '$MAMBA_RATIO_V'"
+    DYNAMIC_PAGED_V=${SGLANG_V100_DYNAMIC_PAGED:-1}
+    [[ $DYNAMIC_PAGED_V == 0 || $DYNAMIC_PAGED_V == 1 ]] ||
+        die "SGLANG_V100_DYNAMIC_PAGED must be 0 or 1, got '$DYNAMIC_PAGED_V'"
+
+    if [[ -z ${CUDA_VISIBLE_DEVICES+set} ]]; then
+        DEVICES=0
+    else
+        DEVICES=$CUDA_VISIBLE_DEVICES
+        [[ -n $DEVICES || $BACKEND == transformers ]] ||
+            die "CUDA_VISIBLE_DEVICES is set but empty: no GPU to launch SGLang on"
+    fi
+}
+
+resolve_python() {
+    local candidate
+    if [[ -n ${OPENJEV_PYTHON:-} ]]; then
+        candidate=$OPENJEV_PYTHON
+    elif [[ -x $ROOT/venv/bin/python ]]; then
+        candidate=$ROOT/venv/bin/python
+    else
+        candidate=python3
+    fi
+    PYTHON=$(command -v -- "$candidate") || die "Python interpreter '$candidate' not found (set OPENJEV_PYTHON)"
+    [[ -x $PYTHON ]] || die "Python interpreter '$PYTHON' is not executable (set OPENJEV_PYTHON)"
+}
+
+# ------------------------------------------------------------------ GPU profile and compilers
+# Sets ARCH_NUM (e.g. 70, 90, 120) and PROFILE (sm70-tilelang | stock).
+detect_profile() {
+    local arch cap device
+    if [[ -n ${OPENJEV_GPU_ARCH:-} ]]; then
+        arch=$OPENJEV_GPU_ARCH
+    else
+        device=${DEVICES%%,*}
+        command -v nvidia-smi >/dev/null 2>&1 ||
+            die "cannot detect the GPU's compute capability: nvidia-smi is not on PATH (set OPENJEV_GPU_ARCH=sm70, sm90, ...)"
+        cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader -i "$device" 2>/dev/null) ||
+            die "nvidia-smi could not query GPU '$device' (CUDA_VISIBLE_DEVICES=$DEVICES); set OPENJEV_GPU_ARCH to override"
+        cap=${cap//[[:space:]]/}
+        [[ $cap =~ ^[0-9]+\.[0-9]$ ]] ||
+            die "nvidia-smi reported compute capability '$cap' for GPU '$device'; set OPENJEV_GPU_ARCH to override"
+        arch=sm${cap/./}
+    fi
+    [[ $arch =~ ^sm_?([0-9]{2,3})[a-z]?$ ]] ||
+        die "OPENJEV_GPU_ARCH must look like sm70, sm90 or sm_120, got '$arch'"
+    ARCH_NUM=$((10#${BASH_REMATCH[1]}))
+    if ((ARCH_NUM < 70)); then
+        die "GPU architecture sm$ARCH_NUM is older than Volta (SM70); no SGLang profile supports it"
+    elif ((ARCH_NUM < 75)); then
+        PROFILE=sm70-tilelang
+    else
+        PROFILE=stock
+    fi
+}
+
+# Sets CC_PATH and CXX_PATH (empty when no GCC 10 and not required).
+find_compilers() {
+    CC_PATH="" CXX_PATH=""
+    if [[ -n ${OPENJEV_CC:-} || -n ${OPENJEV_CXX:-} ]]; then
+        [[ -n ${OPENJEV_CC:-} && -n ${OPENJEV_CXX:-} ]] || die "set both OPENJEV_CC and OPENJEV_CXX, or neither"
+        CC_PATH=$(command -v -- "$OPENJEV_CC") || die "OPENJEV_CC='$OPENJEV_CC' is not an executable compiler"
+        CXX_PATH=$(command -v -- "$OPENJEV_CXX") || die "OPENJEV_CXX='$OPENJEV_CXX' is not an executable compiler"
+        return 0
+    fi
+    CC_PATH=$(command -v gcc-10 || true)
+    CXX_PATH=$(command -v g++-10 || true)
+    if [[ -z $CC_PATH || -z $CXX_PATH ]]; then
+        CC_PATH="" CXX_PATH=""
+        [[ $PROFILE == sm70-tilelang ]] &&
+            die "GCC 10 is required for SM70 JIT (TileLang C++20 headers) but gcc-10/g++-10 are not on PATH; install gcc-10 g++-10 or set OPENJEV_CC and OPENJEV_CXX"
+    fi
+    return 0
+}
+
+# ------------------------------------------------------------------ environment and command
+ENV_KV=()
+CMD=()
+
+build_environment() {
+    ENV_KV+=("CUDA_VISIBLE_DEVICES=$DEVICES" "OPENJEV_BACKEND=$BACKEND")
+    [[ $BACKEND == sglang ]] && ENV_KV+=("OPENJEV_ARCH_PROFILE=$PROFILE")
+    ENV_KV+=("OPENJEV_V100_ROOT=$ROOT" "PYTHONPATH=$BUNDLE_ROOT${PYTHONPATH:+:$PYTHONPATH}")
+    [[ $BACKEND == sglang ]] || return 0
+
+    ENV_KV+=("SGLANG_EXTERNAL_MODEL_PACKAGE=$ADAPTER_PACKAGE")
+    if [[ $PROFILE == sm70-tilelang ]]; then
+        ENV_KV+=("SGLANG_MAMBA_CONV_DTYPE=float16" "SGLANG_MAMBA_SSM_DTYPE=float16"
+            "SGLANG_V100_DYNAMIC_PAGED=$DYNAMIC_PAGED_V")
+    fi
+    if [[ -n $CC_PATH ]]; then
+        ENV_KV+=("CC=$CC_PATH" "CXX=$CXX_PATH" "CUDAHOSTCXX=$CXX_PATH")
+    fi
+    if [[ -d $ROOT/cuda126 ]]; then
+        ENV_KV+=("CUDA_HOME=$ROOT/cuda126" "PATH=$ROOT/cuda126/bin:$PATH")
+    fi
+    ENV_KV+=("TILELANG_CACHE_DIR=$ROOT/tilelang_cache"
+        "TRITON_CACHE_DIR=$ROOT/triton"
+        "FLASHINFER_WORKSPACE_BASE=$ROOT/flashinfer_workspace"
+        "TORCH_EXTENSIONS_DIR=$ROOT/torch_extensions"
+        "CUDA_CACHE_PATH=$ROOT/cuda_cache")
+}
+
+build_command() {
+    local strategy=extra_buffer
+    ((DISABLE_RADIX)) && strategy=no_buffer
+    if [[ $BACKEND == transformers ]]; then
+        CMD=("$PYTHON" "$SCRIPT_DIR/serve_transformers.py" "$CHECKPOINT" "$PORT" --host "$HOST")
+        add_default --context-length "$CONTEXT_LENGTH_V"
+        add_default --max-running-requests "$MAX_RUNNING_V"
+        add_default --schedule-policy "$SCHEDULE_POLICY_V"
+    else
+        CMD=("$PYTHON" -m sglang.launch_server --model-path "$CHECKPOINT" --host "$HOST" --port "$PORT")
+        add_default --is-embedding
+        add_default --dtype float16
+        add_default --context-length "$CONTEXT_LENGTH_V"
+        add_default --mem-fraction-static "$MEM_FRACTION_V"
+        add_default --max-running-requests "$MAX_RUNNING_V"
+        add_default --schedule-policy "$SCHEDULE_POLICY_V"
+        add_default --disable-cuda-graph
+        add_default --disable-piecewise-cuda-graph
+        add_default --mamba-scheduler-strategy "$strategy"
+        add_default --mamba-full-memory-ratio "$MAMBA_RATIO_V"
+        if [[ $PROFILE == sm70-tilelang ]]; then
+            add_default --attention-backend tilelang_fa_v100
+            add_default --linear-attn-prefill-backend tilelang
+            add_default --linear-attn-decode-backend triton
+        fi
+    fi
+    ((DISABLE_RADIX)) && add_default --disable-radix-cache
+    CMD+=("${EXTRA[@]}")
+}
+
+print_command() {
+    local kv
+    for kv in "${ENV_KV[@]}"; do
+        printf '%s=%q\n' "${kv%%=*}" "${kv#*=}"
+    done
+    printf '%q' "${CMD[0]}"
+    printf ' %q' "${CMD[@]:1}"
+    printf '\n'
+}
+
+# Refuse a port that already has a listener, with the project's own bind check.
+check_port() {
+    local msg rc=0
+    msg=$("$PYTHON" -B -c '
+import sys
+sys.path.insert(0, sys.argv[1])
+import _common
+try:
+    _common.bind_listen_socket(sys.argv[2], int(sys.argv[3]), backlog=1).close()
+except _common.UserError as exc:
+    print(exc)
+    sys.exit(3)
+' "$SCRIPT_DIR" "$HOST" "$PORT" 2>&1) || rc=$?
+    case $rc in
+        0) ;;
+        3) die "$msg" ;;
+        *) die "port check with $PYTHON failed (exit $rc): ${msg##*$'\n'}" ;;
+    esac
+}
+
+make_cache_dirs() {
+    local kv
+    for kv in "${ENV_KV[@]}"; do
+        case ${kv%%=*} in
+            TILELANG_CACHE_DIR | TRITON_CACHE_DIR | FLASHINFER_WORKSPACE_BASE | TORCH_EXTENSIONS_DIR | CUDA_CACHE_PATH)
+                mkdir -p -- "${kv#*=}" || die "cannot create cache directory ${kv#*=}"
+                ;;
+        esac
+    done
+}
+
+main() {
+    parse_args "$@"
+    read_settings
+    resolve_python
+    PROFILE="" CC_PATH="" CXX_PATH=""
+    if [[ $BACKEND == sglang ]]; then
+        detect_profile
+        find_compilers
+    fi
+    build_environment
+    build_command
+    if ((PRINT_COMMAND)); then
+        print_command
+        exit 0
+    fi
+    check_port
+    make_cache_dirs
+    local kv
+    for kv in "${ENV_KV[@]}"; do
+        export "${kv?}"
+    done
+    exec "${CMD[@]}"
+}
+
+main "$@"
