@@ -179,7 +179,7 @@ parse_args() {
                 ;;
             --print-command) PRINT_COMMAND=1 ;;
             --host)
-                (($# >= 2)) || usage_error "--host needs a value"
+                if (($# < 2)) || [[ $2 == -* ]]; then usage_error "--host needs a value"; fi
                 HOST=$2
                 shift
                 ;;

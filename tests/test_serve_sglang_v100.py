@@ -1,0 +1,510 @@
+"""app/serve_sglang_v100.sh: the launcher systemd units call.
+
+Every test runs the real script with bash in a controlled environment (PATH holds only the
+tools the launcher uses, plus stand-in gcc-10 / nvidia-smi executables where a test needs
+them). `--print-command` output is parsed back into the environment and argv it would exec.
+The emitted SGLang flags are checked against the installed sglang's own argument parser when
+sglang is importable, and always against the checked-in table of the pinned runtime.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCHER = REPO / "app" / "serve_sglang_v100.sh"
+TABLE_PATH = REPO / "app" / "sglang_flags_v100-dca48890.json"
+TABLE = json.loads(TABLE_PATH.read_text())
+BASH = shutil.which("bash") or "/bin/bash"
+PY = sys.executable
+
+# Variables the launcher reads; stripped from the inherited environment so the host cannot leak in.
+CONTROLLED = {
+    "OPENJEV_BACKEND", "OPENJEV_V100_ROOT", "OPENJEV_PYTHON", "OPENJEV_GPU_ARCH", "OPENJEV_CC", "OPENJEV_CXX",
+    "OPENJEV_ARCH_PROFILE", "CUDA_VISIBLE_DEVICES", "CONTEXT_LENGTH", "MAX_RUNNING_REQUESTS", "SCHEDULE_POLICY",
+    "MEM_FRACTION_STATIC", "MAMBA_FULL_MEMORY_RATIO", "SGLANG_V100_DYNAMIC_PAGED", "PYTHONPATH", "CUDA_HOME",
+    "CC", "CXX", "CUDAHOSTCXX",
+}
+SM70_BACKEND_FLAGS = {"--attention-backend": "tilelang_fa_v100", "--linear-attn-prefill-backend": "tilelang",
+                      "--linear-attn-decode-backend": "triton"}
+SM70_ONLY_ENV = {"SGLANG_MAMBA_CONV_DTYPE": "float16", "SGLANG_MAMBA_SSM_DTYPE": "float16"}
+CACHE_ENV = {"TILELANG_CACHE_DIR": "tilelang_cache", "TRITON_CACHE_DIR": "triton",
+             "FLASHINFER_WORKSPACE_BASE": "flashinfer_workspace", "TORCH_EXTENSIONS_DIR": "torch_extensions",
+             "CUDA_CACHE_PATH": "cuda_cache"}
+
+
+# ---------------------------------------------------------------- the flag reference
+def _table_reference() -> dict[str, list | None]:
+    ref: dict[str, list | None] = {}
+    for entry in TABLE["flags"]:
+        for name in entry["names"]:
+            ref[name] = entry.get("choices")
+    return ref
+
+
+def _parser_reference() -> tuple[dict[str, list | None] | None, str]:
+    try:
+        import sglang  # noqa: F401  (only on a machine with the runtime installed)
+        from sglang.srt.server_args import ServerArgs
+    except Exception as exc:  # noqa: BLE001 - any import failure means "no runtime here"
+        return None, f"{type(exc).__name__}: {exc}"
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    ref = {}
+    for action in parser._actions:
+        for opt in action.option_strings:
+            ref[opt] = list(action.choices) if action.choices is not None else None
+    return ref, f"sglang-{getattr(sys.modules['sglang'], '__version__', 'unknown')}"
+
+
+TABLE_REF = _table_reference()
+TABLE_LABEL = f"table-{TABLE['source']['repo'].split('/')[1]}@{TABLE['source']['commit'][:8]}"
+PARSER_REF, PARSER_LABEL = _parser_reference()
+
+
+# ---------------------------------------------------------------- running the launcher
+@pytest.fixture(scope="module")
+def tools(tmp_path_factory) -> dict[str, Path]:
+    """bin/: only what the launcher needs; gcc10/ and a stand-in nvidia-smi are added per test."""
+    base = tmp_path_factory.mktemp("tools")
+    bin_dir = base / "bin"
+    bin_dir.mkdir()
+    for tool in ("dirname", "awk", "mkdir", "cat", "sh", "env"):
+        found = shutil.which(tool)
+        assert found, f"{tool} is needed by the launcher tests"
+        (bin_dir / tool).symlink_to(found)
+    gcc_dir = base / "gcc10"
+    gcc_dir.mkdir()
+    for name in ("gcc-10", "g++-10"):
+        _write_exe(gcc_dir / name, "#!/bin/sh\necho 'stand-in compiler for the launcher tests'\n")
+    return {"bin": bin_dir, "gcc10": gcc_dir}
+
+
+def _write_exe(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return path
+
+
+@pytest.fixture
+def root(tmp_path) -> Path:
+    return tmp_path / "root"
+
+
+@pytest.fixture
+def checkpoint(tmp_path) -> Path:
+    ckpt = tmp_path / "model"
+    ckpt.mkdir()
+    return ckpt
+
+
+@pytest.fixture
+def run(tools, root):
+    """run(*args, env={...}, gcc=True) -> CompletedProcess of `bash serve_sglang_v100.sh args`."""
+
+    def _run(*args, env: dict | None = None, gcc: bool = True, extra_path: tuple = ()) -> subprocess.CompletedProcess:
+        return subprocess.run([BASH, str(LAUNCHER), *map(str, args)], capture_output=True, text=True, timeout=60,
+                              env=launcher_env(tools, root, env, gcc, extra_path))
+
+    return _run
+
+
+def launcher_env(tools, root, env, gcc, extra_path) -> dict:
+    full = {k: v for k, v in os.environ.items() if k not in CONTROLLED and k != "PATH"}
+    path = [str(p) for p in extra_path] + ([str(tools["gcc10"])] if gcc else []) + [str(tools["bin"])]
+    full.update(PATH=os.pathsep.join(path), OPENJEV_V100_ROOT=str(root), OPENJEV_PYTHON=PY)
+    full.update(env or {})
+    return {k: v for k, v in full.items() if v is not None}
+
+
+def printed(proc: subprocess.CompletedProcess) -> tuple[dict[str, str], list[str]]:
+    """Parse --print-command output: KEY=VALUE lines (values shell-quoted), then the command."""
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    lines = proc.stdout.splitlines()
+    assert len(lines) >= 2
+    env = {}
+    for line in lines[:-1]:
+        key, sep, value = line.partition("=")
+        assert sep and re.fullmatch(r"[A-Z_][A-Z0-9_]*", key), line
+        words = shlex.split(value) if value else [""]
+        assert len(words) == 1, line
+        env[key] = words[0]
+    return env, shlex.split(lines[-1])
+
+
+def sglang_flags(argv: list[str]) -> list[tuple[str, str | None]]:
+    """(flag, value) pairs after `-m sglang.launch_server`; value None for a bare switch."""
+    start = argv.index("sglang.launch_server") + 1
+    pairs, i = [], start
+    while i < len(argv):
+        tok = argv[i]
+        assert tok.startswith("--"), f"stray token {tok!r} in {argv}"
+        if "=" in tok:
+            name, value = tok.split("=", 1)
+            pairs.append((name, value))
+            i += 1
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            pairs.append((tok, argv[i + 1]))
+            i += 2
+        else:
+            pairs.append((tok, None))
+            i += 1
+    return pairs
+
+
+def flag_map(argv: list[str]) -> dict[str, str | None]:
+    pairs = sglang_flags(argv)
+    names = [n for n, _ in pairs]
+    assert len(names) == len(set(names)), f"a flag appears twice: {names}"
+    return dict(pairs)
+
+
+def error_line(proc: subprocess.CompletedProcess) -> str:
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, f"expected one stderr line, got:\n{proc.stderr}"
+    assert lines[0].startswith("serve_sglang_v100.sh: error: "), lines[0]
+    return lines[0]
+
+
+SM70 = {"OPENJEV_GPU_ARCH": "sm70"}
+SM90 = {"OPENJEV_GPU_ARCH": "sm90"}
+
+
+# ---------------------------------------------------------------- defaults
+def test_default_sm70_command_and_environment(run, root, checkpoint, tools):
+    env, argv = printed(run(checkpoint, 31003, "--print-command", env=SM70))
+    assert argv[:3] == [PY, "-m", "sglang.launch_server"]
+    flags = flag_map(argv)
+    assert flags == {
+        "--model-path": str(checkpoint), "--host": "127.0.0.1", "--port": "31003", "--is-embedding": None,
+        "--dtype": "float16", "--context-length": "8192", "--mem-fraction-static": "0.8",
+        "--max-running-requests": "16", "--schedule-policy": "lpm", "--disable-cuda-graph": None,
+        "--disable-piecewise-cuda-graph": None, "--mamba-scheduler-strategy": "extra_buffer",
+        "--mamba-full-memory-ratio": "3", **SM70_BACKEND_FLAGS,
+    }
+    gcc, gxx = str(tools["gcc10"] / "gcc-10"), str(tools["gcc10"] / "g++-10")
+    assert env == {
+        "CUDA_VISIBLE_DEVICES": "0", "OPENJEV_BACKEND": "sglang", "OPENJEV_ARCH_PROFILE": "sm70-tilelang",
+        "OPENJEV_V100_ROOT": str(root), "PYTHONPATH": str(REPO), "SGLANG_EXTERNAL_MODEL_PACKAGE": "sglang_openjev",
+        **SM70_ONLY_ENV, "SGLANG_V100_DYNAMIC_PAGED": "1", "CC": gcc, "CXX": gxx, "CUDAHOSTCXX": gxx,
+        **{k: str(root / v) for k, v in CACHE_ENV.items()},
+    }
+    assert not root.exists(), "--print-command must not create anything"
+
+
+def test_cuda_home_from_root_when_present(run, root, checkpoint):
+    (root / "cuda126" / "bin").mkdir(parents=True)
+    env, _ = printed(run(checkpoint, 31003, "--print-command", env=SM70))
+    assert env["CUDA_HOME"] == str(root / "cuda126")
+    assert env["PATH"].split(os.pathsep)[0] == str(root / "cuda126" / "bin")
+
+
+def test_disable_radix_cache_switches_to_no_buffer(run, checkpoint):
+    env, argv = printed(run(checkpoint, 31003, "--disable-radix-cache", "--print-command", env=SM70))
+    flags = flag_map(argv)
+    assert flags["--mamba-scheduler-strategy"] == "no_buffer"
+    assert "--disable-radix-cache" in flags and flags["--disable-radix-cache"] is None
+    # before the positionals too
+    _, argv2 = printed(run("--disable-radix-cache", checkpoint, 31003, "--print-command", env=SM70))
+    assert flag_map(argv2) == flags
+
+
+def test_environment_overrides(run, root, checkpoint):
+    overrides = {"MAX_RUNNING_REQUESTS": "32", "SCHEDULE_POLICY": "fcfs", "CONTEXT_LENGTH": "4096",
+                 "CUDA_VISIBLE_DEVICES": "3", "SGLANG_V100_DYNAMIC_PAGED": "0", "MEM_FRACTION_STATIC": "0.75",
+                 "MAMBA_FULL_MEMORY_RATIO": "0.9", "PYTHONPATH": "/opt/extra"}
+    env, argv = printed(run(checkpoint, 31003, "--print-command", env={**SM70, **overrides}))
+    flags = flag_map(argv)
+    assert flags["--max-running-requests"] == "32"
+    assert flags["--schedule-policy"] == "fcfs"
+    assert flags["--context-length"] == "4096"
+    assert flags["--mem-fraction-static"] == "0.75"
+    assert flags["--mamba-full-memory-ratio"] == "0.9"
+    assert env["CUDA_VISIBLE_DEVICES"] == "3"
+    assert env["SGLANG_V100_DYNAMIC_PAGED"] == "0"
+    assert env["PYTHONPATH"] == f"{REPO}{os.pathsep}/opt/extra"
+
+
+def test_pass_through_flags_keep_order_and_replace_defaults(run, checkpoint):
+    extra = ["--chunked-prefill-size", "4096", "--log-level", "debug", "--mem-fraction-static=0.7",
+             "--attention-backend", "triton", "--enable-metrics"]
+    _, argv = printed(run(checkpoint, 31003, *extra, "--print-command", env=SM70))
+    assert argv[-len(extra):] == extra, "pass-through flags come last, unchanged and in order"
+    flags = flag_map(argv)  # also asserts that no flag appears twice
+    assert flags["--mem-fraction-static"] == "0.7"
+    assert flags["--attention-backend"] == "triton"
+    assert flags["--linear-attn-prefill-backend"] == "tilelang"  # the other defaults stay
+
+
+def test_print_command_is_the_exec_line(run, checkpoint):
+    proc = run(checkpoint, 31003, "--print-command", env=SM70)
+    env, argv = printed(proc)
+    assert "--print-command" not in argv
+    # the last line is valid shell that re-creates exactly argv
+    echo = subprocess.run([BASH, "-c", f"printf '%s\\n' {proc.stdout.splitlines()[-1]}"],
+                          capture_output=True, text=True, check=True)
+    assert echo.stdout.splitlines() == argv
+
+
+# ---------------------------------------------------------------- hosts
+def test_binds_loopback_by_default(run, checkpoint):
+    for env in (SM70, SM90, {"OPENJEV_BACKEND": "transformers"}):
+        _, argv = printed(run(checkpoint, 31003, "--print-command", env=env))
+        assert argv[argv.index("--host") + 1] == "127.0.0.1"
+
+
+@pytest.mark.parametrize("host_args,expected", [(["--host", "0.0.0.0"], "0.0.0.0"), (["--host=::1"], "::1")])
+def test_explicit_host(run, checkpoint, host_args, expected):
+    _, argv = printed(run(checkpoint, 31003, *host_args, "--print-command", env=SM70))
+    assert argv.count("--host") == 1 and argv[argv.index("--host") + 1] == expected
+    _, argv2 = printed(run(*host_args, checkpoint, 31003, "--print-command", env=SM70))
+    assert argv2 == argv
+
+
+# ---------------------------------------------------------------- GPU profiles
+def test_sm90_uses_stock_backends(run, root, checkpoint):
+    env, argv = printed(run(checkpoint, 31003, "--print-command", env=SM90, gcc=False))
+    flags = flag_map(argv)
+    assert not set(SM70_BACKEND_FLAGS) & set(flags), "stock profile leaves attention/GDN backends to SGLang"
+    assert env["OPENJEV_ARCH_PROFILE"] == "stock"
+    assert not set(SM70_ONLY_ENV) & set(env) and "SGLANG_V100_DYNAMIC_PAGED" not in env
+    assert "CC" not in env, "without gcc-10 the stock profile keeps the host compiler"
+    # same contract otherwise
+    for flag, value in {"--dtype": "float16", "--context-length": "8192", "--max-running-requests": "16",
+                        "--schedule-policy": "lpm", "--mamba-scheduler-strategy": "extra_buffer",
+                        "--mamba-full-memory-ratio": "3", "--mem-fraction-static": "0.8", "--is-embedding": None,
+                        "--disable-cuda-graph": None}.items():
+        assert flags[flag] == value, flag
+    assert env["SGLANG_EXTERNAL_MODEL_PACKAGE"] == "sglang_openjev"
+    assert {k: env[k] for k in CACHE_ENV} == {k: str(root / v) for k, v in CACHE_ENV.items()}
+
+
+def test_sm90_uses_gcc10_when_present(run, checkpoint, tools):
+    env, _ = printed(run(checkpoint, 31003, "--print-command", env=SM90, gcc=True))
+    assert env["CC"] == str(tools["gcc10"] / "gcc-10")
+
+
+@pytest.mark.parametrize("cap,profile", [("7.0", "sm70-tilelang"), ("9.0", "stock")])
+def test_compute_capability_from_nvidia_smi_on_the_chosen_gpu(run, checkpoint, tmp_path, cap, profile):
+    smi_dir = tmp_path / "smi"
+    smi_dir.mkdir()
+    log = tmp_path / "smi.args"
+    _write_exe(smi_dir / "nvidia-smi", f"#!/bin/sh\necho \"$@\" > '{log}'\necho '{cap}'\n")
+    env, argv = printed(run(checkpoint, 31003, "--print-command", env={"CUDA_VISIBLE_DEVICES": "2,3"},
+                            extra_path=(smi_dir,)))
+    assert env["OPENJEV_ARCH_PROFILE"] == profile
+    assert log.read_text().split() == ["--query-gpu=compute_cap", "--format=csv,noheader", "-i", "2"]
+    assert ("--attention-backend" in flag_map(argv)) == (profile == "sm70-tilelang")
+
+
+def test_unknown_gpu_refused_clearly(run, checkpoint, tmp_path):
+    proc = run(checkpoint, 31003, "--print-command")  # no nvidia-smi on PATH, no OPENJEV_GPU_ARCH
+    assert proc.returncode == 1 and "OPENJEV_GPU_ARCH" in error_line(proc) and "nvidia-smi" in proc.stderr
+    smi_dir = tmp_path / "smi"
+    smi_dir.mkdir()
+    _write_exe(smi_dir / "nvidia-smi", "#!/bin/sh\necho 'No devices were found' >&2\nexit 6\n")
+    proc = run(checkpoint, 31003, "--print-command", extra_path=(smi_dir,))
+    assert proc.returncode == 1 and "could not query GPU '0'" in error_line(proc)
+    for bad, needle in (("volta", "OPENJEV_GPU_ARCH must look like"), ("70", "OPENJEV_GPU_ARCH must look like"),
+                        ("sm60", "older than Volta")):
+        proc = run(checkpoint, 31003, "--print-command", env={"OPENJEV_GPU_ARCH": bad})
+        assert proc.returncode == 1 and needle in error_line(proc), bad
+
+
+# ---------------------------------------------------------------- GCC 10
+def test_sm70_without_gcc10_is_refused(run, root, checkpoint):
+    proc = run(checkpoint, 31003, "--print-command", env=SM70, gcc=False)
+    assert proc.returncode == 1 and proc.stdout == ""
+    line = error_line(proc)
+    assert "GCC 10" in line and "OPENJEV_CC" in line and "OPENJEV_CXX" in line
+    proc = run(checkpoint, 31003, env=SM70, gcc=False)  # a real launch is refused the same way
+    assert proc.returncode == 1 and "GCC 10" in error_line(proc)
+    assert not root.exists()
+
+
+def test_gcc_override(run, checkpoint, tools):
+    cc, cxx = shutil.which("sh"), shutil.which("cat")  # any executables: the launcher only records them
+    env, _ = printed(run(checkpoint, 31003, "--print-command", gcc=False,
+                         env={**SM70, "OPENJEV_CC": cc, "OPENJEV_CXX": "cat"}))
+    assert (env["CC"], env["CXX"], env["CUDAHOSTCXX"]) == (cc, str(tools["bin"] / "cat"), str(tools["bin"] / "cat"))
+    proc = run(checkpoint, 31003, "--print-command", gcc=False, env={**SM70, "OPENJEV_CC": cc})
+    assert proc.returncode == 1 and "both OPENJEV_CC and OPENJEV_CXX" in error_line(proc)
+    proc = run(checkpoint, 31003, "--print-command", gcc=False,
+               env={**SM70, "OPENJEV_CC": "/nonexistent/gcc-10", "OPENJEV_CXX": cxx})
+    assert proc.returncode == 1 and "OPENJEV_CC" in error_line(proc)
+
+
+# ---------------------------------------------------------------- the embedded Transformers backend
+def test_transformers_backend_command(run, root, checkpoint):
+    env, argv = printed(run(checkpoint, 31004, "--disable-radix-cache", "--device", "cpu", "--print-command",
+                            env={"OPENJEV_BACKEND": "transformers", "MAX_RUNNING_REQUESTS": "8",
+                                 "SCHEDULE_POLICY": "fcfs", "CONTEXT_LENGTH": "4096"}, gcc=False))
+    assert argv == [PY, str(REPO / "app" / "serve_transformers.py"), str(checkpoint), "31004",
+                    "--host", "127.0.0.1", "--context-length", "4096", "--max-running-requests", "8",
+                    "--schedule-policy", "fcfs", "--disable-radix-cache", "--device", "cpu"]
+    assert env == {"CUDA_VISIBLE_DEVICES": "0", "OPENJEV_BACKEND": "transformers", "OPENJEV_V100_ROOT": str(root),
+                   "PYTHONPATH": str(REPO)}
+
+
+def test_transformers_backend_accepts_the_cpu_only_case(run, checkpoint):
+    env, argv = printed(run(checkpoint, 31004, "--print-command", gcc=False,
+                            env={"OPENJEV_BACKEND": "transformers", "CUDA_VISIBLE_DEVICES": ""}))
+    assert env["CUDA_VISIBLE_DEVICES"] == ""
+    proc = run(checkpoint, 31004, "--print-command", env={**SM70, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 1 and "CUDA_VISIBLE_DEVICES" in error_line(proc)
+
+
+# ---------------------------------------------------------------- the flag tables
+SCENARIOS = {
+    "sm70-default": ([], SM70),
+    "sm70-disable-radix-cache": (["--disable-radix-cache"], SM70),
+    "sm70-env-overrides": ([], {**SM70, "MAX_RUNNING_REQUESTS": "32", "SCHEDULE_POLICY": "fcfs",
+                                "CONTEXT_LENGTH": "4096", "MEM_FRACTION_STATIC": "0.7",
+                                "MAMBA_FULL_MEMORY_RATIO": "0.9", "SGLANG_V100_DYNAMIC_PAGED": "0"}),
+    "sm90-stock": ([], SM90),
+    "sm90-disable-radix-cache": (["--disable-radix-cache"], SM90),
+}
+
+
+def _check_against(reference: dict, run, checkpoint, args, env) -> None:
+    _, argv = printed(run(checkpoint, 31003, *args, "--print-command", env=env))
+    for flag, value in sglang_flags(argv):
+        assert flag in reference, f"{flag} is not an argument of the reference parser"
+        choices = reference[flag]
+        if choices is not None:
+            assert value in [str(c) for c in choices], f"{flag} {value} not in {choices}"
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS), ids=[f"{s}-vs-{TABLE_LABEL}" for s in SCENARIOS])
+def test_emitted_flags_exist_in_pinned_runtime_table(run, checkpoint, scenario):
+    args, env = SCENARIOS[scenario]
+    _check_against(TABLE_REF, run, checkpoint, args, env)
+
+
+@pytest.mark.skipif(PARSER_REF is None, reason=(
+    f"sglang is not importable here ({PARSER_LABEL}); the emitted flags were checked against the checked-in "
+    f"table {TABLE_PATH.relative_to(REPO)} instead ({TABLE['source']['repo']}@{TABLE['source']['commit']} "
+    f"{TABLE['source']['path']}, standing for the pin {TABLE['runtime']['pinned_revision'][:8]})"))
+@pytest.mark.parametrize("scenario", list(SCENARIOS), ids=[f"{s}-vs-installed-parser" for s in SCENARIOS])
+def test_emitted_flags_exist_in_installed_sglang_parser(run, checkpoint, scenario):
+    args, env = SCENARIOS[scenario]
+    _check_against(PARSER_REF, run, checkpoint, args, env)
+
+
+def test_flag_table_names_its_source():
+    assert TABLE["runtime"]["pinned_revision"] == json.loads((REPO / "HF_SOURCE.json").read_text())["runtime"]["revision"]
+    assert re.fullmatch(r"[0-9a-f]{40}", TABLE["source"]["commit"])
+    assert TABLE["source"]["path"] == "python/sglang/srt/server_args.py"
+    names = [n for e in TABLE["flags"] for n in e["names"]]
+    assert len(names) == len(set(names)) and TABLE["flag_count"] == len(TABLE["flags"])
+    assert "tilelang_fa_v100" in TABLE_REF["--attention-backend"]
+    assert "tilelang" in TABLE_REF["--linear-attn-prefill-backend"]
+    assert TABLE_REF["--mamba-scheduler-strategy"] == ["auto", "no_buffer", "extra_buffer"]
+    assert "--mamba-radix-cache-strategy" not in TABLE_REF  # the 0.5.14+ name is not the pinned runtime's
+
+
+# ---------------------------------------------------------------- the port check and exec
+@pytest.mark.parametrize("backend_env", [SM90, {"OPENJEV_BACKEND": "transformers"}], ids=["sglang", "transformers"])
+def test_port_in_use_is_refused(run, root, checkpoint, backend_env):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        proc = run(checkpoint, port, env=backend_env, gcc=False)
+    assert proc.returncode == 1 and proc.stdout == ""
+    line = error_line(proc)
+    assert f"port {port} on 127.0.0.1 is already in use" in line
+    assert not root.exists(), "a refused launch creates nothing"
+
+
+def test_launch_execs_the_server_with_its_environment(run, tools, root, checkpoint, tmp_path):
+    """The launcher process becomes the server (same PID, as systemd needs) with the printed env."""
+    out = tmp_path / "out"
+    out.mkdir()
+    fake_python = _write_exe(tmp_path / "python", (
+        "#!/bin/sh\n"
+        f"case \"$1\" in -B) exec '{PY}' \"$@\";; esac\n"  # the launcher's port check runs the real interpreter
+        f"echo $$ > '{out}/pid'\n"
+        f"for a in \"$@\"; do printf '%s\\n' \"$a\"; done > '{out}/argv'\n"
+        f"env > '{out}/env'\n"))
+    env = {**SM70, "OPENJEV_PYTHON": str(fake_python)}
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    proc = subprocess.Popen([BASH, str(LAUNCHER), str(checkpoint), str(port)], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=launcher_env(tools, root, env, True, ()))
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr
+    assert int((out / "pid").read_text()) == proc.pid
+    exec_env, exec_argv = printed(run(checkpoint, port, "--print-command", env=env))
+    assert [str(fake_python), *(out / "argv").read_text().splitlines()] == exec_argv
+    server_env = dict(line.split("=", 1) for line in (out / "env").read_text().splitlines() if "=" in line)
+    for key, value in exec_env.items():
+        assert server_env.get(key) == value, key
+    assert all((root / d).is_dir() for d in CACHE_ENV.values()), "JIT cache directories exist at launch"
+
+
+# ---------------------------------------------------------------- usage errors and help
+@pytest.mark.parametrize("args,needle,code", [
+    (["{ckpt}"], "expected CHECKPOINT and PORT", 2),
+    (["{ckpt}", "abc"], "PORT must be an integer", 2),
+    (["{ckpt}", "65536"], "PORT must be an integer", 2),
+    (["{ckpt}", "31003", "--port", "31004"], "positional", 2),
+    (["{ckpt}", "31003", "--model-path", "/x"], "positional", 2),
+    (["{ckpt}", "31003", "--host"], "--host needs a value", 2),
+    (["/nonexistent/model", "31003"], "does not exist", 1),
+])
+def test_usage_errors(run, checkpoint, args, needle, code):
+    proc = run(*[a.replace("{ckpt}", str(checkpoint)) for a in args], "--print-command", env=SM70)
+    assert proc.returncode == code and needle in error_line(proc)
+
+
+@pytest.mark.parametrize("var,value", [
+    ("MAX_RUNNING_REQUESTS", "0"), ("MAX_RUNNING_REQUESTS", "x"), ("CONTEXT_LENGTH", "-1"),
+    ("SCHEDULE_POLICY", "lpm; rm"), ("MEM_FRACTION_STATIC", "1.5"), ("MEM_FRACTION_STATIC", "0"),
+    ("MAMBA_FULL_MEMORY_RATIO", "three"), ("SGLANG_V100_DYNAMIC_PAGED", "yes"), ("OPENJEV_BACKEND", "vllm"),
+])
+def test_bad_environment_values_refused(run, checkpoint, var, value):
+    proc = run(checkpoint, 31003, "--print-command", env={**SM70, var: value})
+    assert proc.returncode == 1 and var in error_line(proc)
+
+
+def test_help_documents_every_flag_and_variable(run):
+    proc = run("--help")
+    assert proc.returncode == 0 and proc.stderr == ""
+    for word in ("--host", "--disable-radix-cache", "--print-command", "--help", "OPENJEV_BACKEND",
+                 "OPENJEV_V100_ROOT", "OPENJEV_PYTHON", "CUDA_VISIBLE_DEVICES", "OPENJEV_GPU_ARCH", "CONTEXT_LENGTH",
+                 "MAX_RUNNING_REQUESTS", "SCHEDULE_POLICY", "MEM_FRACTION_STATIC", "MAMBA_FULL_MEMORY_RATIO",
+                 "SGLANG_V100_DYNAMIC_PAGED", "OPENJEV_CC", "OPENJEV_CXX", "OPENJEV_ARCH_PROFILE",
+                 "SGLANG_EXTERNAL_MODEL_PACKAGE", "SGLANG_MAMBA_CONV_DTYPE", "SGLANG_MAMBA_SSM_DTYPE", "CUDAHOSTCXX",
+                 "CUDA_HOME", "TILELANG_CACHE_DIR", "TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE",
+                 "TORCH_EXTENSIONS_DIR", "CUDA_CACHE_PATH", "--mamba-scheduler-strategy", "--mamba-full-memory-ratio",
+                 "--attention-backend", "--linear-attn-prefill-backend", "--linear-attn-decode-backend",
+                 "--disable-cuda-graph", "--is-embedding", "--mem-fraction-static"):
+        assert word in proc.stdout, word
+
+
+# ---------------------------------------------------------------- static checks
+def test_bash_syntax():
+    subprocess.run([BASH, "-n", str(LAUNCHER)], check=True)
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed (apt-get install shellcheck)")
+def test_shellcheck_clean():
+    proc = subprocess.run(["shellcheck", str(LAUNCHER)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
