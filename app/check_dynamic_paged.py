@@ -198,6 +198,20 @@ def run_check(args, torch, counter: CompileCounter) -> dict:
               f"max_abs_err={max_err:.6f} compiles={counter.count} jit_cache={dp.compiled_kernel_count()}",
               flush=True)
 
+    # The runtime integration point, called the way the patched get_paged_kernel's caller
+    # (paged_forward) calls the runtime kernel: total tokens as max_tokens, prefix lengths given.
+    c = cases[1].to(device)
+    q_lens = (c.cu_seqlens_q[1:] - c.cu_seqlens_q[:-1]).to(torch.int32)
+    runtime_kernel = dp.make_runtime_kernel(args.heads, args.heads_kv, args.dim, args.page_size)
+    out = runtime_kernel(c.q, c.k_cache, c.v_cache, c.block_table, c.kv_lens, c.cu_seqlens_q, c.kv_lens - q_lens,
+                         int(c.q.shape[0]), 1.0 / math.sqrt(args.dim))
+    torch.cuda.synchronize(device)
+    ref = reference_paged_prefill(c.q, c.k_cache, c.v_cache, c.block_table, c.cu_seqlens_q, c.kv_lens)
+    runtime_err = float((out.double() - ref).abs().max()) if bool(torch.isfinite(out).all()) else float("inf")
+    runtime_ok = bool(((out.double() - ref).abs() <= args.atol + args.rtol * ref.abs()).all())
+    print(f"runtime integration point ({runtime_kernel!r}) on {c.name}: max_abs_err={runtime_err:.6f} "
+          f"compiles={counter.count}", flush=True)
+
     triples = sorted({tuple(r[k] for k in ("batch", "num_pages", "block_table_width")) for r in results})
     max_err = max(r["max_abs_error"] for r in results)
     bug_caught = {name: max(r["known_bug_max_abs_deviation"][name] for r in results) for name in KNOWN_BUG_MASKS}
@@ -212,6 +226,8 @@ def run_check(args, torch, counter: CompileCounter) -> dict:
     if counter.count != 1:
         failures.append(f"TileLang generated CUDA code {counter.count} times; expected exactly 1 compile "
                         "(0 means the compile counter is not observing TileLang)")
+    if not runtime_ok:
+        failures.append(f"the runtime integration point is over tolerance (max abs error {runtime_err:.6f})")
     weak = [n for n, dev in bug_caught.items() if dev <= 10 * (args.atol + args.rtol)]
     if weak:
         failures.append(f"the cases would not catch the known bug(s) {', '.join(weak)}")
@@ -224,6 +240,8 @@ def run_check(args, torch, counter: CompileCounter) -> dict:
         "jit_kernel_cache_entries": dp.compiled_kernel_count(),
         "jit_kernel_cache_keys": [repr(k) for k in dp.kernel_cache_keys()],
         "known_bug_max_abs_deviation": bug_caught,
+        "runtime_integration_point": {"case": c.name, "max_abs_error": runtime_err, "within_tolerance": runtime_ok,
+                                      "callable": repr(runtime_kernel)},
         "tile_config": {"arch": f"sm_{major}{minor}", **vars_of(config)},
         "failures": failures,
         "passed": not failures,

@@ -13,6 +13,7 @@ from .dynamic_paged import (
     dynamic_paged_prefill,
     get_kernel,
     lower_for_arch,
+    make_runtime_kernel,
     runtime_paged_prefill,
     tile_config_for_arch,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "dynamic_paged_prefill",
     "get_kernel",
     "lower_for_arch",
+    "make_runtime_kernel",
     "runtime_paged_prefill",
     "tile_config_for_arch",
     "KNOWN_BUG_MASKS",

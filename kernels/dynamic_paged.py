@@ -33,6 +33,8 @@ __all__ = [
     "compiled_kernel_count",
     "dynamic_paged_prefill",
     "runtime_paged_prefill",
+    "make_runtime_kernel",
+    "RuntimePagedKernel",
     "lower_for_arch",
     "validate_inputs",
 ]
@@ -381,21 +383,68 @@ def runtime_paged_prefill(q, k_cache, v_cache, block_table, cache_seqlens, query
                           max_tokens, sm_scale, out=None):
     """Integration point for the pinned runtime's TileLang backend (``tilelang_fa_v100``).
 
-    Same argument order as the runtime's compiled paged kernel
-    (``kernel(q, k_cache, v_cache, block_table, cache_seqlens, query_start_loc, prefix_kv_lens,
-    max_tokens, sm_scale)``) so ``get_paged_kernel`` can return this function unchanged for
-    the causal case. ``prefix_kv_lens`` is accepted for signature compatibility only: the
-    kernel derives every prefix as ``cache_seqlens - q_len``, which is what the runtime passes
-    and the only alignment that keeps new tokens from seeing later keys.
+    Same arguments, in the same order, as the runtime's compiled static paged kernel
+    (``kernel(q, k_cache, v_cache, block_table, cache_seqlens, query_start_loc,
+    prefix_kv_lens, max_tokens, sm_scale)``), so ``get_paged_kernel`` can hand this back for
+    the causal case (see ``patches/dynamic-paged.patch``). Returns ``[total_q, heads, dim]``.
+
+    * ``prefix_kv_lens`` is accepted for signature compatibility only: the kernel derives every
+      prefix as ``cache_seqlens - q_len``. The runtime builds it from ``extend_prefix_lens``,
+      which is the same number; deriving it also rules out the known trap of passing
+      ``kv_len`` as the prefix, which lets new tokens see later keys.
+    * ``max_tokens`` is the runtime's total token count, an upper bound on the longest chunk.
+      Outside CUDA-graph capture the longest chunk is read from ``query_start_loc`` (one
+      device sync, as the runtime's adapter already does for ``seq_lens``) so the grid is not
+      ``batch`` times larger than needed.
     """
     del prefix_kv_lens
-    block_table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
-    cache_seqlens = cache_seqlens if cache_seqlens.dtype == torch.int32 else cache_seqlens.to(torch.int32)
-    query_start_loc = query_start_loc if query_start_loc.dtype == torch.int32 else query_start_loc.to(torch.int32)
-    return dynamic_paged_prefill(
-        q, k_cache, v_cache, block_table.contiguous(), query_start_loc.contiguous(), cache_seqlens.contiguous(),
-        sm_scale, max_seqlen_q=int(max_tokens), out=out,
-    )
+    if block_table.dtype != torch.int32:
+        block_table = block_table.to(torch.int32)
+    if cache_seqlens.dtype != torch.int32:
+        cache_seqlens = cache_seqlens.to(torch.int32)
+    if query_start_loc.dtype != torch.int32:
+        query_start_loc = query_start_loc.to(torch.int32)
+    block_table, cache_seqlens, query_start_loc = (
+        block_table.contiguous(), cache_seqlens.contiguous(), query_start_loc.contiguous())
+    max_seqlen_q = int(max_tokens)
+    if block_table.shape[0] > 1 and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        max_seqlen_q = min(max_seqlen_q, int((query_start_loc[1:] - query_start_loc[:-1]).max().item()))
+    return dynamic_paged_prefill(q.contiguous(), k_cache, v_cache, block_table, query_start_loc, cache_seqlens,
+                                 sm_scale, max_seqlen_q=max_seqlen_q, out=out)
+
+
+class RuntimePagedKernel:
+    """What the patched ``get_paged_kernel`` returns: a callable with the runtime kernel's
+    signature, bound to one (heads, heads_kv, dim, page_size). Compiles on first call; every
+    later batch, page count and block-table width reuses that compile."""
+
+    def __init__(self, heads: int, heads_kv: int, dim: int, page_size: int):
+        self.heads, self.heads_kv, self.dim, self.page_size = heads, heads_kv, dim, page_size
+
+    def __call__(self, q, k_cache, v_cache, block_table, cache_seqlens, query_start_loc, prefix_kv_lens,
+                 max_tokens, sm_scale):
+        got = (q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1])
+        if got != (self.heads, self.heads_kv, self.dim, self.page_size):
+            raise ValueError(f"kernel bound to (heads, heads_kv, dim, page_size)="
+                             f"{(self.heads, self.heads_kv, self.dim, self.page_size)} called with {got}")
+        return runtime_paged_prefill(q, k_cache, v_cache, block_table, cache_seqlens, query_start_loc,
+                                     prefix_kv_lens, max_tokens, sm_scale)
+
+    def __repr__(self) -> str:
+        return (f"RuntimePagedKernel(heads={self.heads}, heads_kv={self.heads_kv}, dim={self.dim}, "
+                f"page_size={self.page_size})")
+
+
+_RUNTIME_KERNELS: dict[tuple[int, int, int, int], RuntimePagedKernel] = {}
+
+
+def make_runtime_kernel(heads: int, heads_kv: int, dim: int, page_size: int) -> RuntimePagedKernel:
+    """The runtime integration point: one callable per compile-time key, whatever the batch."""
+    key = (int(heads), int(heads_kv), int(dim), int(page_size))
+    with _FACTORY_LOCK:
+        if key not in _RUNTIME_KERNELS:
+            _RUNTIME_KERNELS[key] = RuntimePagedKernel(*key)
+        return _RUNTIME_KERNELS[key]
 
 
 # --------------------------------------------------------------------------------------------
