@@ -76,7 +76,9 @@ Flags given to SGLang (names of the pinned runtime haohervchb/sglang-V100@dca488
   | --attention-backend             | tilelang_fa_v100 (SM70 only)| flag                        |
   | --linear-attn-prefill-backend   | tilelang (SM70 only)        | flag                        |
   | --linear-attn-decode-backend    | triton (SM70 only)          | flag                        |
-  On a GPU newer than SM70 the three backend flags are left out (SGLang's stock backends)
+  | --sampling-backend              | pytorch (SM70 only; the     | flag                        |
+  |                                 | classifier never samples)   |                             |
+  On a GPU newer than SM70 the four backend flags are left out (SGLang's stock backends)
   and the SM70-only environment below is not set; everything else is the same.
 
 Environment read by the launcher
@@ -363,6 +365,7 @@ build_command() {
             add_default --attention-backend tilelang_fa_v100
             add_default --linear-attn-prefill-backend tilelang
             add_default --linear-attn-decode-backend triton
+            add_default --sampling-backend pytorch
         fi
     fi
     ((DISABLE_RADIX)) && add_default --disable-radix-cache

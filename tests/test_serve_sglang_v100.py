@@ -38,7 +38,7 @@ CONTROLLED = {
     "CC", "CXX", "CUDAHOSTCXX",
 }
 SM70_BACKEND_FLAGS = {"--attention-backend": "tilelang_fa_v100", "--linear-attn-prefill-backend": "tilelang",
-                      "--linear-attn-decode-backend": "triton"}
+                      "--linear-attn-decode-backend": "triton", "--sampling-backend": "pytorch"}
 SM70_ONLY_ENV = {"SGLANG_MAMBA_CONV_DTYPE": "float16", "SGLANG_MAMBA_SSM_DTYPE": "float16"}
 CACHE_ENV = {"TILELANG_CACHE_DIR": "tilelang_cache", "TRITON_CACHE_DIR": "triton",
              "FLASHINFER_WORKSPACE_BASE": "flashinfer_workspace", "TORCH_EXTENSIONS_DIR": "torch_extensions",
@@ -495,6 +495,7 @@ def test_help_documents_every_flag_and_variable(run):
                  "CUDA_HOME", "TILELANG_CACHE_DIR", "TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE",
                  "TORCH_EXTENSIONS_DIR", "CUDA_CACHE_PATH", "--mamba-scheduler-strategy", "--mamba-full-memory-ratio",
                  "--attention-backend", "--linear-attn-prefill-backend", "--linear-attn-decode-backend",
+                 "--sampling-backend",
                  "--disable-cuda-graph", "--is-embedding", "--mem-fraction-static"):
         assert word in proc.stdout, word
 
