@@ -20,6 +20,7 @@ readonly DEFAULT_SCHEDULE_POLICY=lpm
 readonly DEFAULT_MEM_FRACTION_STATIC=0.8
 readonly DEFAULT_MAMBA_FULL_MEMORY_RATIO=3
 readonly ADAPTER_PACKAGE=sglang_openjev
+readonly DEFAULT_SGLANG_MODULE=sglang_openjev.launch_server
 
 die() {
     printf '%s: error: %s\n' "$PROG" "$*" >&2
@@ -57,7 +58,9 @@ Launcher flags (anywhere on the line; never passed to the server as written)
   --mem-fraction-static 0.7) replaces the launcher's value: each flag appears once.
   --port and --model-path are refused as flags: give them as CHECKPOINT and PORT.
 
-Flags given to SGLang (names of the pinned runtime haohervchb/sglang-V100@dca48890)
+Flags given to SGLang (names of the pinned runtime haohervchb/sglang-V100@dca48890), through
+`python -m sglang_openjev.launch_server`, which registers the classifier and the /classify
+contract routes and then runs SGLang's own server with these flags
   | flag                            | value                       | override                    |
   |---------------------------------|-----------------------------|-----------------------------|
   | --model-path                    | CHECKPOINT                  | positional                  |
@@ -91,6 +94,9 @@ Environment read by the launcher
   | OPENJEV_V100_ROOT        | ~/storage/sglang-openjev-v100    | bundle root: venv, caches, ... |
   | OPENJEV_PYTHON           | $ROOT/venv/bin/python if present,| interpreter that runs the      |
   |                          | else python3                     | server and the port check      |
+  | OPENJEV_SGLANG_MODULE    | sglang_openjev.launch_server     | `python -m` entry point: the   |
+  |                          |                                  | adapter's wrapper of SGLang's  |
+  |                          |                                  | launch_server (contract routes)|
   | CUDA_VISIBLE_DEVICES     | 0                                | GPU to launch on               |
   | OPENJEV_GPU_ARCH         | from nvidia-smi compute_cap of   | sm70 -> TileLang V100 profile; |
   |                          | the first CUDA_VISIBLE_DEVICES   | sm75 and newer -> stock;       |
@@ -239,6 +245,9 @@ read_settings() {
     fi
     MAMBA_RATIO_V=${MAMBA_FULL_MEMORY_RATIO:-$DEFAULT_MAMBA_FULL_MEMORY_RATIO}
     is_positive_number "$MAMBA_RATIO_V" || die "MAMBA_FULL_MEMORY_RATIO must be a positive number, got '$MAMBA_RATIO_V'"
+    SGLANG_MODULE=${OPENJEV_SGLANG_MODULE:-$DEFAULT_SGLANG_MODULE}
+    [[ $SGLANG_MODULE =~ ^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$ ]] ||
+        die "OPENJEV_SGLANG_MODULE must be a Python module name, got '$SGLANG_MODULE'"
     DYNAMIC_PAGED_V=${SGLANG_V100_DYNAMIC_PAGED:-1}
     [[ $DYNAMIC_PAGED_V == 0 || $DYNAMIC_PAGED_V == 1 ]] ||
         die "SGLANG_V100_DYNAMIC_PAGED must be 0 or 1, got '$DYNAMIC_PAGED_V'"
@@ -350,7 +359,7 @@ build_command() {
         add_default --max-running-requests "$MAX_RUNNING_V"
         add_default --schedule-policy "$SCHEDULE_POLICY_V"
     else
-        CMD=("$PYTHON" -m sglang.launch_server --model-path "$CHECKPOINT" --host "$HOST" --port "$PORT")
+        CMD=("$PYTHON" -m "$SGLANG_MODULE" --model-path "$CHECKPOINT" --host "$HOST" --port "$PORT")
         add_default --is-embedding
         add_default --dtype float16
         add_default --context-length "$CONTEXT_LENGTH_V"

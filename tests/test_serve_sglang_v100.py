@@ -32,7 +32,7 @@ PY = sys.executable
 
 # Variables the launcher reads; stripped from the inherited environment so the host cannot leak in.
 CONTROLLED = {
-    "OPENJEV_BACKEND", "OPENJEV_V100_ROOT", "OPENJEV_PYTHON", "OPENJEV_GPU_ARCH", "OPENJEV_CC", "OPENJEV_CXX",
+    "OPENJEV_BACKEND", "OPENJEV_V100_ROOT", "OPENJEV_PYTHON", "OPENJEV_SGLANG_MODULE", "OPENJEV_GPU_ARCH", "OPENJEV_CC", "OPENJEV_CXX",
     "OPENJEV_ARCH_PROFILE", "CUDA_VISIBLE_DEVICES", "CONTEXT_LENGTH", "MAX_RUNNING_REQUESTS", "SCHEDULE_POLICY",
     "MEM_FRACTION_STATIC", "MAMBA_FULL_MEMORY_RATIO", "SGLANG_V100_DYNAMIC_PAGED", "PYTHONPATH", "CUDA_HOME",
     "CC", "CXX", "CUDAHOSTCXX",
@@ -147,7 +147,7 @@ def printed(proc: subprocess.CompletedProcess) -> tuple[dict[str, str], list[str
 
 def sglang_flags(argv: list[str]) -> list[tuple[str, str | None]]:
     """(flag, value) pairs after `-m sglang.launch_server`; value None for a bare switch."""
-    start = argv.index("sglang.launch_server") + 1
+    start = argv.index("-m") + 2
     pairs, i = [], start
     while i < len(argv):
         tok = argv[i]
@@ -186,7 +186,7 @@ SM90 = {"OPENJEV_GPU_ARCH": "sm90"}
 # ---------------------------------------------------------------- defaults
 def test_default_sm70_command_and_environment(run, root, checkpoint, tools):
     env, argv = printed(run(checkpoint, 31003, "--print-command", env=SM70))
-    assert argv[:3] == [PY, "-m", "sglang.launch_server"]
+    assert argv[:3] == [PY, "-m", "sglang_openjev.launch_server"]
     flags = flag_map(argv)
     assert flags == {
         "--model-path": str(checkpoint), "--host": "127.0.0.1", "--port": "31003", "--is-embedding": None,
@@ -203,6 +203,13 @@ def test_default_sm70_command_and_environment(run, root, checkpoint, tools):
         **{k: str(root / v) for k, v in CACHE_ENV.items()},
     }
     assert not root.exists(), "--print-command must not create anything"
+
+
+def test_sglang_entry_point_override(run, checkpoint):
+    _, argv = printed(run(checkpoint, 31003, "--print-command", env={**SM70, "OPENJEV_SGLANG_MODULE": "sglang.launch_server"}))
+    assert argv[1:3] == ["-m", "sglang.launch_server"] and flag_map(argv)["--is-embedding"] is None
+    proc = run(checkpoint, 31003, "--print-command", env={**SM70, "OPENJEV_SGLANG_MODULE": "x; rm -rf /"})
+    assert proc.returncode == 1 and "OPENJEV_SGLANG_MODULE" in error_line(proc)
 
 
 def test_cuda_home_from_root_when_present(run, root, checkpoint):
@@ -488,7 +495,7 @@ def test_help_documents_every_flag_and_variable(run):
     proc = run("--help")
     assert proc.returncode == 0 and proc.stderr == ""
     for word in ("--host", "--disable-radix-cache", "--print-command", "--help", "OPENJEV_BACKEND",
-                 "OPENJEV_V100_ROOT", "OPENJEV_PYTHON", "CUDA_VISIBLE_DEVICES", "OPENJEV_GPU_ARCH", "CONTEXT_LENGTH",
+                 "OPENJEV_V100_ROOT", "OPENJEV_PYTHON", "OPENJEV_SGLANG_MODULE", "CUDA_VISIBLE_DEVICES", "OPENJEV_GPU_ARCH", "CONTEXT_LENGTH",
                  "MAX_RUNNING_REQUESTS", "SCHEDULE_POLICY", "MEM_FRACTION_STATIC", "MAMBA_FULL_MEMORY_RATIO",
                  "SGLANG_V100_DYNAMIC_PAGED", "OPENJEV_CC", "OPENJEV_CXX", "OPENJEV_ARCH_PROFILE",
                  "SGLANG_EXTERNAL_MODEL_PACKAGE", "SGLANG_MAMBA_CONV_DTYPE", "SGLANG_MAMBA_SSM_DTYPE", "CUDAHOSTCXX",
