@@ -45,12 +45,12 @@ Positional arguments
   CHECKPOINT   model directory (normally the overlay $OPENJEV_V100_ROOT/model)
   PORT         TCP port to listen on (1-65535)
 
-Launcher flags (anywhere on the line; never passed to the server as written)
+Launcher flags (anywhere on the line; the launcher places them in the command itself)
   | flag                  | meaning                                                              |
   |-----------------------|----------------------------------------------------------------------|
   | --host HOST           | bind HOST instead of 127.0.0.1 (binding beyond loopback is explicit) |
   | --disable-radix-cache | no prefix cache: passed on, and the mamba strategy becomes no_buffer |
-  | --print-command       | print the environment (KEY=VALUE lines) and the exact command,      |
+  | --print-command       | print the environment (KEY=VALUE lines) and the exact command,       |
   |                       | shell-quoted, then exit 0 without launching (no port check)          |
   | -h, --help            | this help                                                            |
   Every other flag after CHECKPOINT PORT passes through to the server unchanged, after the
