@@ -136,10 +136,11 @@ def _build_factory():
         groups = heads // heads_kv
         rows_per_copy = min(block_N, page_size)  # a key tile is copied page by page
         copies_per_tile = block_N // rows_per_copy
-        batch = T.dynamic("batch")
-        num_pages = T.dynamic("num_pages")
-        width = T.dynamic("width")
-        total_q = T.dynamic("total_q")
+        dynamic = getattr(T, "dynamic", None) or T.symbolic  # T.symbolic before TileLang 0.1.15
+        batch = dynamic("batch")
+        num_pages = dynamic("num_pages")
+        width = dynamic("width")
+        total_q = dynamic("total_q")
         dtype = T.float16
         accum = T.float32
 
