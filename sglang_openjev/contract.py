@@ -51,6 +51,10 @@ class Limits:
     vocab_size: int
     context_length: int
     max_batch_size: int
+    # The longest input the runtime schedules, where that is below context_length - 1 (SGLang's
+    # scheduler refuses len >= max_req_input_len, a few tokens under the context length).
+    # None: context_length alone bounds the input.
+    max_input_tokens: int | None = None
 
 
 def parse_json(raw: bytes) -> Any:
@@ -95,6 +99,11 @@ def validate_rows(rows: Any, limits: Limits, field: str = "input_ids") -> list[l
                 400, f"row {i} has {len(row)} tokens, not below the server context length {limits.context_length}: "
                 "inputs must be shorter than the context length (an input exactly equal to it is rejected too, as "
                 "the pinned SGLang runtime does); the server never truncates, so truncate client-side")
+        if limits.max_input_tokens is not None and len(row) > limits.max_input_tokens:
+            raise ContractError(
+                400, f"row {i} has {len(row)} tokens, over this server's input limit of {limits.max_input_tokens} "
+                f"tokens (context length {limits.context_length} less the tokens the runtime reserves); the server "
+                "never truncates, so truncate client-side")
         out.append(row)
     return out
 

@@ -1,0 +1,721 @@
+"""The SGLang adapter (`sglang_openjev/`): weight routing, pooling, launcher steps, routes, and,
+where sglang is importable, registration and weight loading through SGLang's real classes.
+
+Three layers:
+- Pure tests (always run, CI included): weight-name routing against a real Transformers
+  Qwen3.5 classifier's state dict, Transformers' vs SGLang's pooled position on a real tiny
+  Transformers model, the launcher's pure steps.
+- Route tests (always run): the adapter's routes on a real FastAPI app served by uvicorn on
+  127.0.0.1; SGLang's tokenizer manager (the GPU scheduler's front) is the one stand-in. With
+  sglang importable the app is SGLang's own `http_server.app` with SGLang's /server_info merged
+  and the request object is SGLang's `EmbeddingReqInput`.
+- SGLang tests (skipped without sglang, reason shown by `pytest -rs`): a fresh process with
+  SGLang's CPU engine (SGLANG_USE_CPU_ENGINE=1, gloo, tp=1) discovers the architecture through
+  SGLANG_EXTERNAL_MODEL_PACKAGE, builds it with SGLang's model loader from a tiny safetensors
+  checkpoint saved by Transformers, and pools with SGLang's score_and_pool on a real ForwardBatch.
+  Run as `python tests/test_sglang_openjev.py --probe CHECKPOINT_DIR` by the tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from sglang_openjev import contract, launch_server, pooling, weights  # noqa: E402
+
+LABELS = {0: "contradiction", 1: "entailment", 2: "neutral"}
+TEXT_CONFIG = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+                   num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
+                   linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, full_attention_interval=2,
+                   max_position_embeddings=512, pad_token_id=0, eos_token_id=1)
+VISION_CONFIG = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32)
+
+
+def _sglang_import_error() -> str | None:
+    try:
+        import sglang.srt.models.registry  # noqa: F401
+        import sglang.srt.models.qwen3_5  # noqa: F401
+        import sglang.srt.entrypoints.http_server  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any failure means: not importable here
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+SGLANG_ERROR = _sglang_import_error()
+needs_sglang = pytest.mark.skipif(
+    SGLANG_ERROR is not None,
+    reason=f"sglang is not importable here ({SGLANG_ERROR}); the project venv and CI do not install it: run "
+           "with a venv that has sglang 0.5.13 (the adapter section of V100.md says how)")
+
+
+def tiny_transformers_classifier(text: bool = False):
+    """A random-weight Transformers Qwen3.5 classifier (no download)."""
+    import torch
+    from transformers import Qwen3_5Config, Qwen3_5TextConfig
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    torch.manual_seed(0)
+    label2id = {v: k for k, v in LABELS.items()}
+    if text:
+        cfg = Qwen3_5TextConfig(**TEXT_CONFIG, num_labels=3, id2label=LABELS, label2id=label2id)
+        model = m.Qwen3_5TextForSequenceClassification(cfg)
+    else:
+        cfg = Qwen3_5Config(text_config=TEXT_CONFIG, vision_config=VISION_CONFIG, num_labels=3, id2label=LABELS,
+                            label2id=label2id)
+        try:
+            model = m.Qwen3_5ForSequenceClassification(cfg)
+        except AttributeError:
+            # transformers 5.8.1 (the pinned runtime's) sizes the head from config.hidden_size and pools
+            # with config.pad_token_id, which the multimodal config lacks; later releases read
+            # get_text_config(). Same modules and pooling rule either way.
+            cfg.hidden_size = TEXT_CONFIG["hidden_size"]
+            cfg.pad_token_id = TEXT_CONFIG["pad_token_id"]
+            model = m.Qwen3_5ForSequenceClassification(cfg)
+    with torch.no_grad():  # Transformers may initialise the head to zeros; make every logit informative
+        model.score.weight.normal_(0.0, 0.5)
+    return model.eval()
+
+
+# ================================================================ weight routing (pure)
+def test_every_transformers_weight_routes_to_backbone_head_or_a_stated_skip():
+    model = tiny_transformers_classifier()
+    routes = {name: weights.route_weight(name) for name in model.state_dict()}
+    assert routes["score.weight"] == (weights.HEAD, "weight")
+    backbone = {name: r.name for name, r in routes.items() if r.kind == weights.BACKBONE}
+    assert backbone["model.language_model.embed_tokens.weight"] == "embed_tokens.weight"
+    assert backbone["model.language_model.norm.weight"] == "norm.weight"
+    assert backbone["model.language_model.layers.1.self_attn.q_proj.weight"] == "layers.1.self_attn.q_proj.weight"
+    assert backbone["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"] == \
+        "layers.0.linear_attn.in_proj_qkv.weight"
+    visual = [n for n in routes if n.startswith("model.visual.")]
+    assert visual and all(routes[n].kind == weights.SKIP for n in visual)
+    assert not [n for n, r in routes.items() if r.kind == weights.UNEXPECTED]
+    assert len(backbone) + len(visual) + 1 == len(routes)
+
+
+def test_text_variant_names_and_causal_lm_leftovers():
+    import transformers
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    if not hasattr(modeling_qwen3_5, "Qwen3_5TextForSequenceClassification"):
+        pytest.skip(f"transformers {transformers.__version__} has no Qwen3_5TextForSequenceClassification")
+    model = tiny_transformers_classifier(text=True)
+    routes = {name: weights.route_weight(name) for name in model.state_dict()}
+    assert routes["model.embed_tokens.weight"] == (weights.BACKBONE, "embed_tokens.weight")
+    assert routes["model.layers.3.self_attn.o_proj.weight"] == (weights.BACKBONE, "layers.3.self_attn.o_proj.weight")
+    assert routes["score.weight"].kind == weights.HEAD
+    assert weights.route_weight("lm_head.weight").kind == weights.SKIP
+    assert weights.route_weight("mtp.layers.0.mlp.up_proj.weight").kind == weights.SKIP
+    assert weights.route_weight("something.else").kind == weights.UNEXPECTED
+
+
+@pytest.mark.parametrize("loaded, message", [
+    ({}, "no 'score.weight'"),
+    ({"weight": (3, 32), "bias": (3,)}, "score.bias"),
+    ({"weight": (2, 32)}, "shape [2, 32], expected [3, 32]"),
+])
+def test_head_checks_refuse_missing_biased_or_misshapen_heads(loaded, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        weights.check_head_weights(loaded, num_labels=3, hidden_size=32)
+    weights.check_head_weights({"weight": (3, 32)}, num_labels=3, hidden_size=32)
+
+
+# ================================================================ pooling (pure + real Transformers)
+def test_sglang_last_token_indices_in_a_packed_batch():
+    assert pooling.sglang_last_token_indices([3, 1, 4]) == [2, 3, 7]
+    with pytest.raises(ValueError):
+        pooling.sglang_last_token_indices([2, 0])
+
+
+def test_pooled_position_matches_transformers_except_when_the_input_ends_with_pad():
+    import torch
+
+    model = tiny_transformers_classifier()
+    pad = model.config.get_text_config().pad_token_id
+    for ids in ([5, 9, 17, 4], [pad, 7, 8], [5, 9, pad], [5, pad, pad], [pad, pad]):
+        with torch.no_grad():
+            out = model(torch.tensor([ids]), output_hidden_states=True)
+        hidden = out.hidden_states[-1][0]
+        by_transformers = model.score(hidden[pooling.transformers_pool_index(ids, pad)])
+        by_sglang = model.score(hidden[len(ids) - 1])
+        torch.testing.assert_close(out.logits[0], by_transformers)  # the helper states Transformers' rule
+        assert pooling.pooling_agrees(ids, pad) == (ids[-1] != pad)
+        if ids[-1] != pad:
+            torch.testing.assert_close(out.logits[0], by_sglang)
+        elif set(ids) != {pad}:  # (an all-pad row embeds to zeros: both reads give zero logits)
+            assert not torch.allclose(out.logits[0], by_sglang)
+    assert pooling.transformers_pool_index([pad, pad], pad) == 0
+    assert pooling.transformers_pool_index([3, 4], None) == 1
+
+
+# ================================================================ launcher steps (pure)
+def save_checkpoint_config(model, directory: Path) -> None:
+    """config.json as a current Transformers writes it for the classifier (no top-level hidden_size)."""
+    config = model.config.to_dict()
+    config["architectures"] = ["Qwen3_5ForSequenceClassification"]
+    config["torch_dtype"] = "float32"
+    if "text_config" in config:
+        config.pop("hidden_size", None)
+        # A fine-tuned checkpoint inherits this from the base Qwen/Qwen3.5 config.json; a config built
+        # from kwargs drops it (layer_types only), and SGLang derives the hybrid layout from it.
+        config["text_config"]["full_attention_interval"] = TEXT_CONFIG["full_attention_interval"]
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def good_config() -> dict:
+    return {"architectures": ["Qwen3_5ForSequenceClassification"], "model_type": "qwen3_5",
+            "id2label": {"0": "contradiction", "1": "entailment", "2": "neutral"},
+            "text_config": {"full_attention_interval": 2,
+                            "layer_types": ["linear_attention", "full_attention"] * 2}}
+
+
+def test_environment_sets_the_external_package_and_pythonpath():
+    env = {"PYTHONPATH": "/x"}
+    launch_server.prepare_environment(env)
+    assert env["SGLANG_EXTERNAL_MODEL_PACKAGE"] == "sglang_openjev"
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(REPO), "/x"]
+    launch_server.prepare_environment(env)  # idempotent
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(REPO), "/x"]
+    with pytest.raises(launch_server.LaunchError, match="SGLANG_EXTERNAL_MODEL_PACKAGE=other"):
+        launch_server.prepare_environment({"SGLANG_EXTERNAL_MODEL_PACKAGE": "other"})
+
+
+def test_argv_steps():
+    argv = ["--model-path", "/m", "--port", "1"]
+    assert launch_server.model_path_from_argv(argv) == "/m"
+    assert launch_server.model_path_from_argv(["--model=/n"]) == "/n"
+    assert launch_server.with_embedding_flag(argv) == [*argv, "--is-embedding"]
+    assert launch_server.with_embedding_flag([*argv, "--is-embedding"]).count("--is-embedding") == 1
+    assert launch_server.wants_help(["-h"]) and not launch_server.wants_help(argv)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"architectures": ["Qwen3_5ForConditionalGeneration"]}, "architectures"),
+    ({"model_type": "qwen3_5_text"}, "qwen3_5_text"),
+    ({"id2label": {"0": "entailment", "1": "neutral", "2": "contradiction"}}, "expected id2label"),
+    ({"id2label": {"0": "a", "1": "b"}}, "3-label"),
+    ({"text_config": {"layer_types": ["linear_attention", "full_attention"]}}, r"no full_attention_interval.*suggests 2"),
+    ({"text_config": {"full_attention_interval": 4, "layer_types": ["linear_attention", "full_attention"] * 2}},
+     "does not follow full_attention_interval=4"),
+])
+def test_checkpoint_config_refusals(change, message):
+    launch_server.check_checkpoint_config(good_config())
+    with pytest.raises(launch_server.LaunchError, match=message):
+        launch_server.check_checkpoint_config({**good_config(), **change})
+
+
+def test_preflight_reads_a_local_checkpoint(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(good_config()))
+    launch_server.preflight_checkpoint(str(tmp_path))
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(launch_server.LaunchError, match="cannot read"):
+        launch_server.preflight_checkpoint(str(tmp_path))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(launch_server.LaunchError, match="not found"):
+        launch_server.preflight_checkpoint(str(empty))
+    launch_server.preflight_checkpoint("org/hub-id")  # not local: SGLang resolves it, no preflight
+
+
+def test_launcher_refuses_modes_without_the_routes():
+    ok = SimpleNamespace(is_embedding=True, tokenizer_worker_num=1)
+    launch_server.check_server_args(ok)
+    for bad, message in ((dict(is_embedding=False), "--is-embedding"), (dict(tokenizer_worker_num=2), "worker"),
+                         (dict(enable_http2=True), "--enable-http2"), (dict(grpc_mode=True), "--grpc-mode")):
+        with pytest.raises(launch_server.LaunchError, match=message):
+            launch_server.check_server_args(SimpleNamespace(**{**vars(ok), **bad}))
+
+
+def test_launcher_help_and_refusal_run_as_a_module(tmp_path):
+    bad = tmp_path / "ckpt"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({**good_config(), "model_type": "qwen3_5_text"}))
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_EXTERNAL_MODEL_PACKAGE"}
+    proc = subprocess.run([sys.executable, "-m", "sglang_openjev.launch_server", "--model-path", str(bad)],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1].startswith("sglang_openjev.launch_server: error: config.json model_type")
+
+
+# ================================================================ routes on a real HTTP server
+class FakeTokenizerManager:
+    """Stand-in for SGLang's TokenizerManager, the front of the GPU scheduler (the one stand-in).
+
+    Logits are a deterministic function of the row, so order and row independence show.
+    """
+
+    def __init__(self, server_args, context_len=64, vocab_size=96):
+        self.server_args = server_args
+        self.served_model_name = "openjev-tiny"
+        self.context_len = context_len
+        self.num_reserved_tokens = 0
+        self.model_config = SimpleNamespace(vocab_size=vocab_size)
+        self.server_status = SimpleNamespace(name="Up")
+        self.gracefully_exit = False
+        self.tokenizer = lambda texts: {"input_ids": [[min(ord(c), vocab_size - 1) for c in t] for t in texts]}
+        self.requests, self.flushes, self.flush_ok = [], [], True
+        self.fail_with: Exception | None = None
+
+    @staticmethod
+    def logits_for(row):
+        return [float(len(row)), float(sum(row) % 7) - 3.0, float(row[0]) / 8.0]
+
+    def generate_request(self, obj, request=None):
+        self.requests.append(obj)
+
+        async def gen():
+            if self.fail_with is not None:
+                raise self.fail_with
+            ids = obj.input_ids
+            if ids and isinstance(ids[0], int):
+                yield {"embedding": self.logits_for(ids), "meta_info": {}}
+            else:
+                yield [{"embedding": self.logits_for(r), "meta_info": {}} for r in ids]
+
+        return gen()
+
+    async def flush_cache(self, timeout_s=None):
+        self.flushes.append(timeout_s)
+        return SimpleNamespace(success=self.flush_ok, message="" if self.flush_ok else "busy: requests running")
+
+    async def get_internal_state(self):
+        return [{"fake_internal": True}]
+
+
+def server_args_stub():
+    return SimpleNamespace(model_path="/models/openjev", dtype="float16", device="cpu", schedule_policy="lpm",
+                           max_running_requests=16, disable_radix_cache=False, mamba_scheduler_strategy="extra_buffer",
+                           mamba_full_memory_ratio=3.0, attention_backend="tilelang_fa_v100",
+                           linear_attn_prefill_backend="tilelang", linear_attn_decode_backend="triton",
+                           disable_cuda_graph=True)
+
+
+class LiveServer:
+    def __init__(self, app):
+        import uvicorn
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, lifespan="off",
+                                                    log_level="warning", loop="asyncio"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise AssertionError("uvicorn did not start")
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def live():
+    """The adapter's routes on a real uvicorn server; SGLang's app and request class when importable."""
+    from sglang_openjev import routes
+
+    state = SimpleNamespace(tokenizer_manager=None, template_manager=None,
+                            scheduler_info={"max_req_input_len": 58, "max_total_num_tokens": 4096})
+    env = {"OPENJEV_MAX_BATCH_SIZE": "4", "OPENJEV_ARCH_PROFILE": "sm70-tilelang"}
+    if SGLANG_ERROR is None:
+        from sglang.srt.entrypoints import http_server
+        from sglang.srt.managers.io_struct import EmbeddingReqInput
+
+        app, request_cls = http_server.app, EmbeddingReqInput
+        previous = http_server.get_global_state()
+        http_server.set_global_state(state)  # SGLang's own /server_info reads the same state
+        get_state = http_server.get_global_state
+    else:
+        from fastapi import FastAPI
+
+        app, request_cls, previous, get_state = FastAPI(), SimpleNamespace, None, (lambda: state)
+
+        @app.post("/classify")
+        async def sglang_style_classify():  # what install_routes must replace
+            return {"embedding": "not the contract"}
+
+    counters = routes.install_routes(app, routes.SGLangRuntime(get_state, request_cls), environ=env)
+    server = LiveServer(app)
+    yield SimpleNamespace(url=server.url, state=state, counters=counters, app=app)
+    server.stop()
+    if SGLANG_ERROR is None:
+        http_server.set_global_state(previous)
+
+
+@pytest.fixture
+def tm(live):
+    if SGLANG_ERROR is None:
+        sa = sglang_server_args()
+    else:
+        sa = server_args_stub()
+    fake = FakeTokenizerManager(sa)
+    live.state.tokenizer_manager = fake
+    yield fake
+    live.state.tokenizer_manager = None
+
+
+def post(live, path, payload=None, raw=None):
+    import requests
+
+    data = raw if raw is not None else json.dumps(payload)
+    return requests.post(live.url + path, data=data, headers={"content-type": "application/json"}, timeout=30)
+
+
+def test_classify_batch_and_single_rows_in_order(live, tm):
+    rows = [[5, 6, 7], [9], [40, 41]]
+    r = post(live, "/classify", {"input_ids": rows})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["labels"] == ["contradiction", "entailment", "neutral"]
+    assert body["model"] == "openjev-tiny"
+    assert body["logits"] == [FakeTokenizerManager.logits_for(x) for x in rows]
+    sent = tm.requests[-1]
+    assert sent.input_ids == rows and type(sent).__name__ in ("EmbeddingReqInput", "SimpleNamespace")
+    r = post(live, "/classify", {"input_ids": [5, 6, 7]})
+    assert r.json()["logits"] == [FakeTokenizerManager.logits_for([5, 6, 7])]
+    assert tm.requests[-1].input_ids == [[5, 6, 7]]
+
+
+def test_sglang_route_was_replaced(live):
+    paths = [(getattr(r, "path", None), tuple(sorted(getattr(r, "methods", None) or ()))) for r in live.app.router.routes]
+    assert paths.count(("/classify", ("POST",))) == 1
+    assert ("/classify", ("POST", "PUT")) not in paths
+    assert sum(p == "/server_info" for p, _ in paths) == 1
+
+
+@pytest.mark.parametrize("payload, raw, status, message", [
+    (None, b"{not json", 400, "not valid JSON"),
+    ({"input_ids": []}, None, 400, "empty"),
+    ({"input_ids": [[1, 2], []]}, None, 400, "row 1 of 'input_ids' is empty"),
+    ({"input_ids": [[1, 2.5]]}, None, 400, "not an integer"),
+    ({"input_ids": [[1, 96]]}, None, 400, "out of vocabulary (vocab size 96)"),
+    ({"input_ids": [[1] * 64]}, None, 400, "not below the server context length 64"),
+    ({"input_ids": [[1] * 58]}, None, 400, "over this server's input limit of 57"),
+    ({"input_ids": [[1]] * 5}, None, 413, "limit of 4"),
+    ({"input_ids": [1], "text": "x"}, None, 400, "exactly one"),
+])
+def test_classify_errors(live, tm, payload, raw, status, message):
+    r = post(live, "/classify", payload, raw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert message in err["message"] and err["code"] == status
+    assert err["type"] == (contract.TOO_LARGE if status == 413 else contract.BAD_REQUEST)
+    assert tm.requests == []  # refused before anything reached the scheduler
+
+
+def test_longest_accepted_input_reaches_the_runtime(live, tm):
+    r = post(live, "/classify", {"input_ids": [[1] * 57]})
+    assert r.status_code == 200, r.text
+
+
+def test_runtime_validation_error_is_a_400_and_503_while_starting(live, tm):
+    tm.fail_with = ValueError("The input (70 tokens) is longer than the model's context length (64 tokens).")
+    r = post(live, "/classify", {"input_ids": [[1, 2]]})
+    assert r.status_code == 400 and "rejected by the runtime" in r.json()["error"]["message"]
+    tm.fail_with = None
+    tm.server_status = SimpleNamespace(name="Starting")
+    r = post(live, "/classify", {"input_ids": [[1, 2]]})
+    assert r.status_code == 503 and r.json()["error"]["type"] == contract.UNAVAILABLE
+
+
+def test_503_before_sglang_sets_its_state(live):
+    assert live.state.tokenizer_manager is None
+    for path in ("/classify", "/v1/classify"):
+        assert post(live, path, {"input_ids": [[1]]}).status_code == 503
+    import requests
+
+    assert requests.get(live.url + "/server_info", timeout=10).status_code == 503
+
+
+def test_text_input_uses_the_tokenizer(live, tm):
+    r = post(live, "/classify", {"text": ["ab", "c"]})
+    assert r.status_code == 200
+    assert tm.requests[-1].input_ids == [[95, 95], [95]]  # ord() capped to the vocab by the fake tokenizer
+    tm.tokenizer = None
+    r = post(live, "/classify", {"text": "ab"})
+    assert r.status_code == 400 and "no tokenizer" in r.json()["error"]["message"]
+
+
+def test_v1_classify_softmax_by_default_and_raw_on_request(live, tm):
+    rows = [[5, 6, 7], [9, 9]]
+    soft = post(live, "/v1/classify", {"model": "x", "input": rows}).json()
+    raw = post(live, "/v1/classify", {"model": "x", "input": rows, "use_activation": False}).json()
+    assert soft["object"] == "list" and soft["model"] == "openjev-tiny"
+    assert soft["usage"]["prompt_tokens"] == 5
+    for i, row in enumerate(rows):
+        logits = FakeTokenizerManager.logits_for(row)
+        assert raw["data"][i]["probs"] == logits
+        assert math.isclose(sum(soft["data"][i]["probs"]), 1.0, rel_tol=1e-9)
+        assert soft["data"][i]["label"] == contract.LABELS[logits.index(max(logits))]
+        assert soft["data"][i]["num_classes"] == 3 and soft["data"][i]["index"] == i
+    assert post(live, "/v1/classify", {"model": "x", "input": [[1]] * 5}).status_code == 413
+
+
+def test_flush_cache_counts_and_reports_failure(live, tm):
+    import requests
+
+    before = live.counters.flush_cache_calls
+    r = requests.post(live.url + "/flush_cache", timeout=10)
+    assert r.status_code == 200 and r.json()["flushed"] is True
+    assert requests.get(live.url + "/flush_cache?timeout=2.5", timeout=10).status_code == 200
+    assert tm.flushes == [None, 2.5]
+    tm.flush_ok = False
+    r = requests.post(live.url + "/flush_cache", timeout=10)
+    assert r.status_code == 400 and "busy" in r.json()["error"]["message"]
+    assert requests.post(live.url + "/flush_cache?timeout=x", timeout=10).status_code == 400
+    assert live.counters.flush_cache_calls == before + 3
+    info = requests.get(live.url + "/server_info", timeout=10).json()
+    assert info["flush_cache_calls"] == before + 3 and info["flush_cache_failures"] >= 1
+
+
+def test_server_info_has_the_contract_keys(live, tm):
+    import requests
+
+    info = requests.get(live.url + "/server_info", timeout=10).json()
+    missing = [k for k in contract.SERVER_INFO_KEYS if k not in info]
+    assert not missing
+    assert info["backend"] == "sglang" and info["arch_profile"] == "sm70-tilelang"
+    assert info["context_length"] == 64 and info["max_input_tokens"] == 57 and info["max_batch_size"] == 4
+    assert info["mamba_scheduler_strategy"] == tm.server_args.mamba_scheduler_strategy
+    assert info["radix_cache"] is (not tm.server_args.disable_radix_cache)
+    assert info["pid"] == os.getpid()
+    assert set(info["bundle_git"]) >= {"commit", "dirty"}
+    if SGLANG_ERROR is None:  # merged with SGLang's own /server_info
+        assert info["internal_states"] == [{"fake_internal": True}]
+        assert "version" in info and "max_total_num_tokens" in info
+
+
+def test_max_batch_size_env():
+    from sglang_openjev import routes
+
+    assert routes.max_batch_size({}) == 512
+    assert routes.max_batch_size({"OPENJEV_MAX_BATCH_SIZE": "32"}) == 32
+    for bad in ("0", "-1", "x"):
+        with pytest.raises(ValueError, match="OPENJEV_MAX_BATCH_SIZE"):
+            routes.max_batch_size({"OPENJEV_MAX_BATCH_SIZE": bad})
+
+
+# ================================================================ SGLang's real classes (CPU engine)
+_SGLANG_ARGS_CACHE: dict = {}
+
+
+def sglang_server_args():
+    """A real ServerArgs for a tiny local config (sglang venv only)."""
+    if "sa" not in _SGLANG_ARGS_CACHE:
+        import tempfile
+
+        from sglang.srt.server_args import ServerArgs
+
+        d = Path(tempfile.mkdtemp(prefix="openjev-sa-"))
+        save_checkpoint_config(tiny_transformers_classifier(), d)
+        _SGLANG_ARGS_CACHE["sa"] = ServerArgs(model_path=str(d), device="cpu", is_embedding=True,
+                                              skip_tokenizer_init=True, dtype="float32",
+                                              schedule_policy="lpm", max_running_requests=16)
+    return _SGLANG_ARGS_CACHE["sa"]
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory):
+    """Run the CPU-engine probe below in a fresh process and return its JSON report."""
+    if SGLANG_ERROR is not None:
+        pytest.skip(needs_sglang.kwargs["reason"])
+    out = tmp_path_factory.mktemp("probe")
+    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "SGLANG_EXTERNAL_MODEL_PACKAGE": "sglang_openjev",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, __file__, "--probe", str(out)], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=600)
+    report = out / "report.json"
+    assert proc.returncode == 0 and report.exists(), f"probe failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
+    return json.loads(report.read_text())
+
+
+@needs_sglang
+def test_registry_discovers_the_architecture_from_the_package(probe):
+    assert probe["registry"] == {"module": "sglang_openjev.qwen3_5_classification",
+                                 "class": "Qwen3_5ForSequenceClassification",
+                                 "arch": "Qwen3_5ForSequenceClassification"}
+    assert probe["strict_import"] == ["Qwen3_5ForSequenceClassification"]  # every package module imports
+    assert probe["is_generation"] is False and probe["hybrid_gdn"] is True
+
+
+@needs_sglang
+def test_sglang_loader_puts_the_checkpoint_in_place(probe):
+    assert probe["model_class"] == "Qwen3_5ForSequenceClassification"
+    assert probe["vision_params"] == 0 and probe["lm_head_params"] == 0
+    assert probe["score_equal"] is True
+    assert probe["backbone_mismatches"] == []
+    assert probe["backbone_checked"] >= 20
+
+
+@needs_sglang
+def test_head_bias_in_the_checkpoint_is_refused(probe):
+    assert "score.bias" in probe["bias_refusal"]
+
+
+@needs_sglang
+def test_last_token_pooling_through_score_and_pool(probe):
+    assert probe["pooled_indices"] == pooling.sglang_last_token_indices(probe["seq_lens"])
+    assert probe["pooled_max_abs_err"] < 1e-6
+    assert probe["pooled_shape"] == [len(probe["seq_lens"]), 3]
+
+
+@needs_sglang
+def test_server_args_treat_the_architecture_as_hybrid_gdn(probe):
+    assert probe["server_args_before"]["uses_mamba_radix_cache"] is False
+    after = probe["server_args_after"]
+    assert after["uses_mamba_radix_cache"] is True
+    # no_buffer + radix cache: SGLang's Qwen3.5 handling forces page size 1 and no overlap schedule
+    assert after["page_size"] == 1 and after["disable_overlap_schedule"] is True
+
+
+def _probe(out_dir: str) -> None:  # pragma: no cover - runs in a subprocess
+    """SGLang CPU engine, tp=1, gloo: registry, model loader, pooling. Writes out_dir/report.json."""
+    import dataclasses
+    import tempfile
+
+    import torch
+    from safetensors.torch import save_file
+
+    report: dict = {}
+    out = Path(out_dir)
+    ckpt = Path(tempfile.mkdtemp(prefix="openjev-ckpt-"))
+    model = tiny_transformers_classifier()
+    save_checkpoint_config(model, ckpt)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    state["lm_head.weight"] = torch.randn(TEXT_CONFIG["vocab_size"], TEXT_CONFIG["hidden_size"])
+    state["mtp.fc.weight"] = torch.randn(4, 4)
+    save_file(state, str(ckpt / "model.safetensors"))
+
+    from sglang.srt.configs import linear_attn_model_registry
+    from sglang.srt.configs.device_config import DeviceConfig
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.configs.update_config import adjust_config_with_unaligned_cpu_tp
+    from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.layers.dp_attention import initialize_dp_attention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+    from sglang.srt.model_loader import get_model
+    from sglang.srt.model_loader.utils import get_model_architecture
+    from sglang.srt.models.registry import ModelRegistry, import_model_classes
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    def args_view(sa):
+        return {k: getattr(sa, k, None) for k in ("uses_mamba_radix_cache", "page_size", "disable_overlap_schedule",
+                                                   "mamba_scheduler_strategy", "disable_radix_cache")}
+
+    base = dict(model_path=str(ckpt), device="cpu", is_embedding=True, skip_tokenizer_init=True, dtype="float32")
+    report["server_args_before"] = args_view(ServerArgs(**base))
+    launch_server.register_hybrid_architectures()
+    assert linear_attn_model_registry.get_linear_attn_spec_by_arch("Qwen3_5ForSequenceClassification") is not None
+    sa = ServerArgs(**base)
+    report["server_args_after"] = args_view(sa)
+    set_global_server_args_for_scheduler(sa)
+
+    cls, arch = ModelRegistry.resolve_model_cls(["Qwen3_5ForSequenceClassification"])
+    report["registry"] = {"module": cls.__module__, "class": cls.__name__, "arch": arch}
+    report["strict_import"] = sorted(import_model_classes.__wrapped__("sglang_openjev", strict=True))
+
+    mc = ModelConfig.from_server_args(sa)
+    report["is_generation"] = mc.is_generation
+    from sglang.srt.configs.qwen3_next import Qwen3NextConfig
+    report["hybrid_gdn"] = isinstance(mc.hf_config.get_text_config(), Qwen3NextConfig)
+    load_config = LoadConfig(load_format=sa.load_format)
+    mc = adjust_config_with_unaligned_cpu_tp(mc, load_config, 1)  # what ModelRunner does on CPU
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                 distributed_init_method=f"tcp://127.0.0.1:{port}")
+    initialize_model_parallel(1)
+    initialize_dp_attention(sa, mc)
+    model_cls, _ = get_model_architecture(mc)
+    assert model_cls is cls
+    sg = get_model(model_config=mc, load_config=load_config, device_config=DeviceConfig("cpu"))
+    report["model_class"] = type(sg).__name__
+    params = dict(sg.named_parameters())
+    report["vision_params"] = sum("visual" in n for n in params)
+    report["lm_head_params"] = sum("lm_head" in n for n in params)
+    report["score_equal"] = bool(torch.equal(params["score.weight"], state["score.weight"]))
+
+    # Every backbone tensor of the checkpoint, compared with the slice of SGLang's (fused) parameter.
+    fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+             "in_proj_qkv": ("in_proj_qkvz", 0), "in_proj_z": ("in_proj_qkvz", 1),
+             "in_proj_b": ("in_proj_ba", 0), "in_proj_a": ("in_proj_ba", 1)}
+    groups: dict = {}
+    mismatches, checked = [], 0
+    for name, tensor in state.items():
+        kind, inner = weights.route_weight(name)
+        if kind != weights.BACKBONE:
+            continue
+        inner = inner.replace(".self_attn.", ".")
+        parts = inner.split(".")
+        if len(parts) >= 2 and parts[-2] in fused:
+            target, slot = fused[parts[-2]]
+            key = "model." + ".".join([*parts[:-2], target, parts[-1]])
+            groups.setdefault(key, {})[slot] = tensor
+            continue
+        key = "model." + inner
+        got = params.get(key)
+        checked += 1
+        if got is not None and key.endswith("embed_tokens.weight"):
+            got = got[: tensor.shape[0]]  # VocabParallelEmbedding pads the vocabulary to a multiple of 64
+        if got is None or got.numel() != tensor.numel() or not torch.equal(got.reshape(tensor.shape), tensor):
+            mismatches.append(key)
+    for key, slots in groups.items():
+        expected = torch.cat([slots[i] for i in sorted(slots)], dim=0)
+        checked += 1
+        if key not in params or not torch.equal(params[key], expected):
+            mismatches.append(key)
+    report["backbone_mismatches"], report["backbone_checked"] = mismatches, checked
+
+    try:
+        sg.load_weights(iter([("score.weight", state["score.weight"]), ("score.bias", torch.zeros(3))]))
+        report["bias_refusal"] = ""
+    except ValueError as exc:
+        report["bias_refusal"] = str(exc)
+
+    seq_lens = [3, 1, 4]
+    total = sum(seq_lens)
+    hidden = torch.randn(total, TEXT_CONFIG["hidden_size"])
+    fields = {f.name for f in dataclasses.fields(ForwardBatch)}
+    fb = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=len(seq_lens),
+                      input_ids=torch.arange(total), req_pool_indices=torch.arange(len(seq_lens)),
+                      seq_lens=torch.tensor(seq_lens), out_cache_loc=torch.arange(total), seq_lens_sum=total,
+                      **{k: v for k, v in dict(extend_seq_lens=torch.tensor(seq_lens),
+                                               extend_seq_lens_cpu=seq_lens).items() if k in fields})
+    from sglang.srt.layers.pooler import score_and_pool
+
+    with torch.no_grad():
+        pooled = score_and_pool(sg.score, sg.pooler, hidden, fb, fb.input_ids).embeddings
+    idx = pooling.sglang_last_token_indices(seq_lens)
+    expected = hidden[idx] @ state["score.weight"].T
+    report.update(seq_lens=seq_lens, pooled_indices=idx, pooled_shape=list(pooled.shape),
+                  pooled_max_abs_err=float((pooled - expected).abs().max()))
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--probe":
+        _probe(sys.argv[2])
+        os._exit(0)  # skip torch.distributed teardown noise
+    sys.exit(f"usage: {sys.argv[0]} --probe OUT_DIR (run by the tests)")
