@@ -1115,11 +1115,11 @@ class Tuner:
                 result = {"result": d.state, "seconds": round(d.waited, 3), "idle_for": round(d.idle_for, 3),
                           "idle_seconds": a.idle_seconds, "failed_samples": failed_samples,
                           "processes_seen": list(seen_busy.values())[:20]}
-                say(f"[{name}] GPU {a.gpu} " + (f"idle for {d.idle_for:.0f} s" if d.state == "idle"
+                say(f"[{name}] GPU {a.gpu} " + (f"idle for {d.idle_for:.1f} s" if d.state == "idle"
                                                  else f"never idle for {a.idle_seconds:g} s within {a.max_wait:g} s"))
                 return result
             if now - last_report >= 10 or last_report == 0.0:
-                busy = (f"{samples[-1][1]} compute process(es): " + ", ".join(
+                busy = (f"{samples[-1][1]} GPU process(es), as seen from here: " + ", ".join(
                     describe_process(p["pid"]) for p in (procs or [])[:3])) if samples[-1][1] else (
                     "NVML sample failed" if procs is None else "no compute process")
                 say(f"[{name}] waiting for GPU {a.gpu} to be idle {a.idle_seconds:g} s: idle {d.idle_for:.0f} s, "
