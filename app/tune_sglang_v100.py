@@ -95,7 +95,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 from _common import (PRODUCTION_PORT, REPO_ROOT, UserError, atomic_write_json, environment_receipt, openjev_root,
                      port_is_free, run_main, utc_now)
