@@ -495,7 +495,10 @@ def test_server_info_has_the_contract_keys(live, tm):
     assert not missing
     assert info["backend"] == "sglang" and info["arch_profile"] == "sm70-tilelang"
     assert info["context_length"] == 64 and info["max_input_tokens"] == 57 and info["max_batch_size"] == 4
-    assert info["mamba_scheduler_strategy"] == tm.server_args.mamba_scheduler_strategy
+    from sglang_openjev.routes import mamba_strategy
+
+    # --mamba-scheduler-strategy (fork, 0.5.13) is ServerArgs.mamba_radix_cache_strategy from 0.5.14 on
+    assert info["mamba_scheduler_strategy"] == mamba_strategy(tm.server_args) is not None
     assert info["radix_cache"] is (not tm.server_args.disable_radix_cache)
     assert info["pid"] == os.getpid()
     assert set(info["bundle_git"]) >= {"commit", "dirty"}
