@@ -9,9 +9,9 @@ Transformers' `GenericForSequenceClassification` pools, per row, the rightmost p
 token is not `pad_token_id` (`(arange(L) * (ids != pad)).argmax(-1)`), so that right- and
 left-padded batches work. On an unpadded input the two agree unless the input itself ends with
 the pad id: then Transformers reads the last non-pad token before it (or position 0 when every
-token is the pad id) while SGLang reads the final token. Qwen3.5's pad token is
-`<|endoftext|>`, which an NLI prompt never ends with; the server does not rewrite inputs, so a
-client that sends such an input gets SGLang's (last-token) answer.
+token is the pad id) while SGLang reads the final token. Qwen tokenizers pad with a special
+token (`<|endoftext|>`) that a chat-templated NLI prompt does not end with; the server does not
+rewrite inputs, so a client that sends such an input gets SGLang's (last-token) answer.
 """
 
 from __future__ import annotations
