@@ -13,7 +13,7 @@
 #
 # Environment: PYTHON (default .venv/bin/python, else python3), DEVICE, BATCHING (default auto),
 # MAX_RUNNING_REQUESTS (default 32), EXCLUSIVE_GPU (physical GPU index: adds --exclusive-gpu with
-# the server's PID), EXTRA_BENCH_ARGS.
+# the server's PID), MACHINE_LABEL (--machine-label of the receipt), EXTRA_BENCH_ARGS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -55,4 +55,5 @@ done
 # shellcheck disable=SC2086
 "$PY" app/bench_classify_v100.py --url "http://127.0.0.1:$PORT" --inputs "$SET.jsonl" --tokens "$SET.tokens.jsonl" \
   --reference "$REF" --out "$OUTDIR/$NAME.json" --batch-size 32 --workers 4 --repetitions 3 \
-  --label "$NAME" ${EXCLUSIVE_GPU:+--exclusive-gpu "$EXCLUSIVE_GPU" --server-pid "$SERVER"} ${EXTRA_BENCH_ARGS:-}
+  --label "$NAME" ${EXCLUSIVE_GPU:+--exclusive-gpu "$EXCLUSIVE_GPU" --server-pid "$SERVER"} \
+  ${MACHINE_LABEL:+--machine-label "$MACHINE_LABEL"} ${EXTRA_BENCH_ARGS:-}
