@@ -54,8 +54,9 @@ Exit status (the receipt is written for every status >= 2; status 1 writes nothi
   2  the group audit failed on some pass (a choice outside the reference winners)
   3  the exclusivity monitor invalidated the run
   4  incomplete: the server was unreachable at start (/health), a request still failed after
-     --retries retries (connection error, timeout, 5xx) or was refused (4xx), or the run was
-     interrupted (SIGINT/SIGTERM); the passes completed before that are kept
+     --retries retries (connection error, timeout, 5xx), was refused (4xx), or was answered with
+     something unusable (wrong shape or label order, non-finite logits), or the run was interrupted
+     (SIGINT/SIGTERM); the passes completed before that are kept, a partial pass is dropped
   When several apply: 2 before 4 before 3 (a server that dies also "vanishes" from the monitor).
 
 Examples:
@@ -675,6 +676,8 @@ class Client:
             raise ServerFailure(f"server label order {data.get('labels')} is not {list(LABELS)}")
         if logits.shape != (n_rows, 3):
             raise ServerFailure(f"POST /classify answered logits of shape {list(logits.shape)} for {n_rows} rows")
+        if not np.isfinite(logits).all():
+            raise ServerFailure("POST /classify answered non-finite logits (NaN or infinity); nothing to compare")
         return logits, t_send, t_recv, retries, data.get("model")
 
 
@@ -878,7 +881,7 @@ def print_summary(r: dict, out: Path) -> None:
         ("receipt", str(out)),
     ]
     width = max(len(k) for k, _ in rows)
-    print(f"openjev bench{' ' + r['label'] if r.get('label') else ''}: {r['inputs']['rows']} rows, {r['url'] if 'url' in r else r['server']['url']}")
+    print(f"openjev bench{' ' + r['label'] if r.get('label') else ''}: {r['inputs']['rows']} rows, {r['server']['url']}")
     for k, v in rows:
         print(f"  {k:<{width}}  {v}")
 

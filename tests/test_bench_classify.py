@@ -560,3 +560,31 @@ def test_results_v100_holds_no_figures():
     assert all(f == "README.md" or f.startswith("schemas/") for f in files), files
     text = (root / "README.md").read_text()
     assert "no V100 measurement" in text
+
+
+# ---------------------------------------------------------------- benchmarks/bench_harness_overhead.py
+def test_harness_overhead_script_smoke(server, mini, tmp_path):
+    script = REPO / "benchmarks" / "bench_harness_overhead.py"
+    out = tmp_path / "overhead.json"
+    normal_set = f"{mini['inputs']},{mini['tokens']},{mini['reference']}"
+    proc = subprocess.run([PY, str(script), "--url", server.url, "--normal-set", normal_set, "--out", str(out),
+                           "--null-requests", "30", "--trivial-requests", "4", "--trivial-workers", "1,2",
+                           "--normal-repetitions", "1"],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(out.read_text())
+    assert r["machine"]["label"].startswith("cpu: ") and r["machine"]["cpu_count"]
+    assert [t["workers"] for t in r["null_server"]] == [1, 2] and r["null_server"][0]["requests"] == 30
+    assert r["normal"]["valid"] and r["normal"]["rows"] == 12 and r["normal"]["client_overhead_fraction"] >= 0
+    assert validate(out).returncode == 0
+    refused = subprocess.run([PY, str(script), "--out", str(REPO / "results_v100" / "x.json")],
+                             capture_output=True, text=True, cwd=REPO)
+    assert refused.returncode == 1 and "results_v100/" in error_lines(refused.stderr)[0]
+
+
+def test_recorded_cpu_results_validate():
+    results = REPO / "benchmarks" / "results_cpu"
+    if not any(results.glob("*.json")):
+        pytest.skip("no recorded results in benchmarks/results_cpu/")
+    proc = validate(results)
+    assert proc.returncode == 0, proc.stderr
