@@ -1,0 +1,425 @@
+#!/usr/bin/env bash
+# install_units.sh: render the OpenJEV production units (gateway socket + HAProxy + replicas)
+# and the gateway configuration for one host, check them, install them. See --help.
+set -euo pipefail
+
+readonly PROG=install_units.sh
+SCRIPT_DIR=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd -P)
+readonly SCRIPT_DIR
+readonly TEMPLATE_UNITS=(openjev-gateway.socket openjev-gateway.service openjev-replica@.service openjev.target)
+readonly TEMPLATE_HAPROXY=$SCRIPT_DIR/haproxy/openjev-gateway.cfg
+
+die() {
+    printf '%s: error: %s\n' "$PROG" "$*" >&2
+    exit 1
+}
+
+usage_error() {
+    printf '%s: error: %s (see --help)\n' "$PROG" "$*" >&2
+    exit 2
+}
+
+usage() {
+    cat <<'EOF'
+usage: install_units.sh [--root DIR] [--bundle DIR] [--model DIR] [--user NAME] [--gpus LIST]
+                        [--port N] [--replica-port-base N] [--stats-port N]
+                        [--backend sglang|transformers] [--env KEY=VALUE]... [--haproxy PATH]
+                        [--system] [--unit-dir DIR] [--conf-dir DIR]
+                        [--force] [--dry-run] [--no-verify] [--help]
+
+Render the production deployment of DEPLOYMENT-eva01.md from the templates in deploy/:
+  UNIT_DIR/openjev-gateway.socket    systemd holds 127.0.0.1:PORT (the production endpoint)
+  UNIT_DIR/openjev-gateway.service   HAProxy (master-worker) on that socket, fd 3
+  UNIT_DIR/openjev-replica@.service  one replica per GPU: app/serve_sglang_v100.sh, instance = GPU
+  UNIT_DIR/openjev.target            the socket, the gateway and every replica
+  CONF_DIR/haproxy.cfg               the gateway: health checks, leastconn, retries, stats
+  CONF_DIR/replica-<GPU>.env         each replica's model, port, backend and extra settings
+then check them (systemd-analyze verify on the units, haproxy -c on the configuration with a
+stand-in socket on fd 3) and install them. Nothing is written unless every check passes.
+Prints the systemctl commands that enable and start the service; starts nothing itself.
+
+Options (defaults in brackets)
+  --root DIR             bundle root [$OPENJEV_V100_ROOT or ~/storage/sglang-openjev-v100]
+  --bundle DIR           checkout holding app/serve_sglang_v100.sh [the one holding this script]
+  --model DIR            model overlay the replicas serve [ROOT/model]
+  --user NAME            account the service runs as [the current user]; user units always run
+                         as the user whose manager loads them, so NAME must be you there
+  --gpus LIST            GPU indices, one replica each, comma-separated [0,1]
+  --port N               production endpoint on 127.0.0.1 [31000]
+  --replica-port-base N  replica on GPU g listens on 127.0.0.1:(N+g) [31100]
+  --stats-port N         HAProxy statistics (/stats) and Prometheus (/metrics) on 127.0.0.1 [31090]
+  --backend NAME         sglang, or transformers (the embedded backend; CPU hosts, tests) [sglang]
+  --env KEY=VALUE        extra line for every replica-<GPU>.env, e.g. MAX_RUNNING_REQUESTS=32
+                         or OPENJEV_PYTHON=/path/python (repeatable)
+  --haproxy PATH         HAProxy executable [haproxy on PATH]
+  --system               system units (UNIT_DIR /etc/systemd/system, User=NAME) instead of
+                         user units (UNIT_DIR ~/.config/systemd/user)
+  --unit-dir DIR         where the units go [see --system]
+  --conf-dir DIR         where haproxy.cfg and replica-<GPU>.env go [ROOT/gateway]
+  --force                replace existing files that differ (default: refuse and list them)
+  --dry-run              print every rendered file and run the checks; write nothing
+  --no-verify            skip systemd-analyze verify and haproxy -c (not recommended)
+  -h, --help             this help
+
+Exit status: 0 on success; 1 with one line on stderr when refused or a check fails; 2 for
+usage errors. Needs: bash, awk, systemd-analyze (Debian package systemd), haproxy >= 2.6
+(Debian package haproxy), python3 (for the stand-in socket of haproxy -c).
+
+Example (eva01, user units; then the printed systemctl commands):
+  deploy/install_units.sh --gpus 0,1 --dry-run
+  deploy/install_units.sh --gpus 0,1
+EOF
+}
+
+# ------------------------------------------------------------------ helpers
+expand_home() {
+    local path=$1 tilde='~'
+    if [[ $path == "$tilde" || $path == "$tilde/"* ]]; then
+        [[ -n ${HOME:-} ]] || die "HOME is not set; cannot expand $path"
+        path=$HOME${path#"$tilde"}
+    fi
+    printf '%s' "$path"
+}
+
+# Absolute, normalised path (the directory need not exist).
+abspath() {
+    local p
+    p=$(expand_home "$1")
+    [[ $p == /* ]] || p=$PWD/$p
+    # collapse /./ and trailing slashes; .. is refused below to keep paths literal
+    p=${p//\/.\//\/}
+    while [[ $p == */ && $p != / ]]; do p=${p%/}; done
+    printf '%s' "$p"
+}
+
+# Paths end up in unit files and in haproxy.cfg: refuse characters either would reinterpret.
+check_path() {
+    local what=$1 p=$2
+    [[ $p != *..* ]] || die "$what '$p' contains '..'; give a plain absolute path"
+    [[ $p =~ ^/[A-Za-z0-9._+/@:-]*$ ]] ||
+        die "$what '$p' has characters systemd or HAProxy would reinterpret (space, %, \$, quotes, backslash); use a plain path"
+}
+
+check_port() {
+    local what=$1 v=$2
+    [[ $v =~ ^[0-9]{1,5}$ ]] && ((10#$v >= 1 && 10#$v <= 65535)) || usage_error "$what must be a port number 1-65535, got '$v'"
+}
+
+# ------------------------------------------------------------------ arguments
+ROOT_ARG="" BUNDLE_ARG="" MODEL_ARG="" USER_ARG="" GPUS_ARG=0,1
+PORT=31000 REPLICA_BASE=31100 STATS_PORT=31090 BACKEND=sglang HAPROXY_ARG=""
+SYSTEM=0 UNIT_DIR_ARG="" CONF_DIR_ARG="" FORCE=0 DRY_RUN=0 VERIFY=1
+EXTRA_ENV=()
+
+need_value() {
+    (($2 >= 2)) && [[ -n $3 && $3 != --* ]] || usage_error "$1 needs a value"
+}
+
+while (($#)); do
+    case $1 in
+        -h | --help) usage; exit 0 ;;
+        --root) need_value "$1" $# "${2:-}"; ROOT_ARG=$2; shift ;;
+        --bundle) need_value "$1" $# "${2:-}"; BUNDLE_ARG=$2; shift ;;
+        --model) need_value "$1" $# "${2:-}"; MODEL_ARG=$2; shift ;;
+        --user) need_value "$1" $# "${2:-}"; USER_ARG=$2; shift ;;
+        --gpus) need_value "$1" $# "${2:-}"; GPUS_ARG=$2; shift ;;
+        --port) need_value "$1" $# "${2:-}"; PORT=$2; shift ;;
+        --replica-port-base) need_value "$1" $# "${2:-}"; REPLICA_BASE=$2; shift ;;
+        --stats-port) need_value "$1" $# "${2:-}"; STATS_PORT=$2; shift ;;
+        --backend) need_value "$1" $# "${2:-}"; BACKEND=$2; shift ;;
+        --env) need_value "$1" $# "${2:-}"; EXTRA_ENV+=("$2"); shift ;;
+        --haproxy) need_value "$1" $# "${2:-}"; HAPROXY_ARG=$2; shift ;;
+        --system) SYSTEM=1 ;;
+        --unit-dir) need_value "$1" $# "${2:-}"; UNIT_DIR_ARG=$2; shift ;;
+        --conf-dir) need_value "$1" $# "${2:-}"; CONF_DIR_ARG=$2; shift ;;
+        --force) FORCE=1 ;;
+        --dry-run) DRY_RUN=1 ;;
+        --no-verify) VERIFY=0 ;;
+        *) usage_error "unknown argument '$1'" ;;
+    esac
+    shift
+done
+
+# ------------------------------------------------------------------ settings
+check_port --port "$PORT"
+check_port --stats-port "$STATS_PORT"
+check_port --replica-port-base "$REPLICA_BASE"
+PORT=$((10#$PORT)) STATS_PORT=$((10#$STATS_PORT)) REPLICA_BASE=$((10#$REPLICA_BASE))
+case $BACKEND in sglang | transformers) ;; *) usage_error "--backend must be sglang or transformers, got '$BACKEND'" ;; esac
+
+[[ $GPUS_ARG =~ ^[0-9]+(,[0-9]+)*$ ]] || usage_error "--gpus must be comma-separated GPU indices such as 0,1, got '$GPUS_ARG'"
+IFS=, read -r -a GPUS <<<"$GPUS_ARG"
+declare -A SEEN_PORT=(["$PORT"]=--port)
+[[ -z ${SEEN_PORT[$STATS_PORT]:-} ]] || usage_error "--stats-port $STATS_PORT is also the endpoint port"
+SEEN_PORT[$STATS_PORT]=--stats-port
+declare -A SEEN_GPU=()
+for i in "${!GPUS[@]}"; do
+    g=$((10#${GPUS[$i]}))
+    GPUS[$i]=$g
+    [[ -z ${SEEN_GPU[$g]:-} ]] || usage_error "--gpus lists GPU $g twice"
+    SEEN_GPU[$g]=1
+    p=$((REPLICA_BASE + g))
+    ((p <= 65535)) || usage_error "replica port $p for GPU $g is above 65535; lower --replica-port-base"
+    [[ -z ${SEEN_PORT[$p]:-} ]] || usage_error "replica port $p (GPU $g) collides with ${SEEN_PORT[$p]}"
+    SEEN_PORT[$p]="replica on GPU $g"
+done
+
+for kv in "${EXTRA_ENV[@]}"; do
+    [[ $kv =~ ^[A-Za-z_][A-Za-z0-9_]*=[^\'\"\\$\`]*$ ]] ||
+        usage_error "--env wants KEY=VALUE without quotes, backslashes, \$ or backticks, got '$kv'"
+    case ${kv%%=*} in
+        OPENJEV_MODEL | OPENJEV_REPLICA_PORT | OPENJEV_BACKEND | CUDA_VISIBLE_DEVICES | OPENJEV_V100_ROOT)
+            usage_error "--env ${kv%%=*} is set by the installer itself (use --model, --gpus, --backend, --root)" ;;
+    esac
+done
+
+if [[ -n $ROOT_ARG ]]; then ROOT=$ROOT_ARG
+elif [[ -n ${OPENJEV_V100_ROOT:-} ]]; then ROOT=$OPENJEV_V100_ROOT
+else
+    [[ -n ${HOME:-} ]] || die "neither --root, OPENJEV_V100_ROOT nor HOME is set"
+    ROOT=$HOME/storage/sglang-openjev-v100
+fi
+ROOT=$(abspath "$ROOT")
+BUNDLE=$(abspath "${BUNDLE_ARG:-$(dirname -- "$SCRIPT_DIR")}")
+MODEL=$(abspath "${MODEL_ARG:-$ROOT/model}")
+CONF_DIR=$(abspath "${CONF_DIR_ARG:-$ROOT/gateway}")
+if [[ -n $UNIT_DIR_ARG ]]; then UNIT_DIR=$(abspath "$UNIT_DIR_ARG")
+elif ((SYSTEM)); then UNIT_DIR=/etc/systemd/system
+else
+    [[ -n ${HOME:-} ]] || die "HOME is not set; give --unit-dir"
+    UNIT_DIR=${XDG_CONFIG_HOME:-$HOME/.config}/systemd/user
+fi
+for pair in "--root:$ROOT" "--bundle:$BUNDLE" "--model:$MODEL" "--conf-dir:$CONF_DIR" "--unit-dir:$UNIT_DIR"; do
+    check_path "${pair%%:*}" "${pair#*:}"
+done
+# The admin socket path (RuntimeDirectory + name) must fit in sun_path; CONF_DIR paths do not matter.
+
+[[ -f $BUNDLE/app/serve_sglang_v100.sh ]] || die "no app/serve_sglang_v100.sh under --bundle $BUNDLE"
+for t in "${TEMPLATE_UNITS[@]}"; do
+    [[ -f $SCRIPT_DIR/systemd/$t ]] || die "template $SCRIPT_DIR/systemd/$t is missing"
+done
+[[ -f $TEMPLATE_HAPROXY ]] || die "template $TEMPLATE_HAPROXY is missing"
+if [[ ! -d $MODEL ]]; then
+    ((DRY_RUN)) || die "model directory $MODEL does not exist (make it with app/prepare_v100_model.py, or give --model)"
+    printf '%s: warning: model directory %s does not exist yet\n' "$PROG" "$MODEL" >&2
+fi
+
+CURRENT_USER=$(id -un)
+SERVICE_USER=${USER_ARG:-$CURRENT_USER}
+id -u -- "$SERVICE_USER" >/dev/null 2>&1 || die "user '$SERVICE_USER' does not exist"
+SERVICE_GROUP=$(id -gn -- "$SERVICE_USER")
+if ((!SYSTEM)) && [[ $SERVICE_USER != "$CURRENT_USER" ]]; then
+    die "user units run as the user whose systemd manager loads them ($CURRENT_USER), not '$SERVICE_USER'; run this as $SERVICE_USER or use --system"
+fi
+
+if [[ -n $HAPROXY_ARG ]]; then
+    HAPROXY=$(command -v -- "$HAPROXY_ARG") || die "--haproxy '$HAPROXY_ARG' is not an executable"
+elif HAPROXY=$(command -v haproxy); then :
+elif [[ -x /usr/sbin/haproxy ]]; then HAPROXY=/usr/sbin/haproxy
+elif ((DRY_RUN)); then
+    HAPROXY=/usr/sbin/haproxy
+    printf '%s: warning: haproxy is not installed (apt-get install haproxy); rendering with %s\n' "$PROG" "$HAPROXY" >&2
+else
+    die "haproxy is not installed (Debian: apt-get install haproxy) and --haproxy was not given"
+fi
+HAPROXY=$(abspath "$HAPROXY")
+check_path --haproxy "$HAPROXY"
+HAPROXY_VERSION=unknown
+if [[ -x $HAPROXY ]]; then
+    HAPROXY_VERSION=$("$HAPROXY" -v 2>/dev/null | awk 'NR == 1 { print $3 }')
+    [[ $HAPROXY_VERSION =~ ^([0-9]+)\.([0-9]+) ]] || die "cannot read the version of $HAPROXY"
+    if ((BASH_REMATCH[1] < 2 || (BASH_REMATCH[1] == 2 && BASH_REMATCH[2] < 6))); then
+        die "HAProxy $HAPROXY_VERSION is too old: the gateway configuration needs 2.6 or newer"
+    fi
+fi
+
+# ------------------------------------------------------------------ rendering
+STAGE=$(mktemp -d "${TMPDIR:-/tmp}/openjev-units.XXXXXX")
+cleanup() { rm -rf -- "$STAGE"; }
+trap cleanup EXIT
+mkdir -p "$STAGE/units" "$STAGE/conf"
+
+SERVERS="" REPLICA_UNITS=""
+for g in "${GPUS[@]}"; do
+    SERVERS+="${SERVERS:+$'\n'}    server replica$g 127.0.0.1:$((REPLICA_BASE + g))"
+    REPLICA_UNITS+="${REPLICA_UNITS:+ }openjev-replica@$g.service"
+done
+
+# Every R_NAME below replaces @NAME@; values go through the environment, never through a regex.
+render() {
+    R_ROOT=$ROOT R_BUNDLE=$BUNDLE R_MODEL=$MODEL R_USER=$SERVICE_USER R_GROUP=$SERVICE_GROUP \
+        R_HAPROXY=$HAPROXY R_HAPROXY_VERSION=$HAPROXY_VERSION R_CONF_DIR=$CONF_DIR R_PORT=$PORT \
+        R_STATS_PORT=$STATS_PORT R_GPUS=$(IFS=,; echo "${GPUS[*]}") R_REPLICA_UNITS=$REPLICA_UNITS \
+        R_SERVERS=$SERVERS R_WANTED_BY=$( ((SYSTEM)) && echo multi-user.target || echo default.target) \
+        awk -v sysmode="$SYSTEM" '
+        function replace_all(s, key, value,   i, out) {
+            out = ""
+            while ((i = index(s, key)) > 0) { out = out substr(s, 1, i - 1) value; s = substr(s, i + length(key)) }
+            return out s
+        }
+        BEGIN { for (e in ENVIRON) if (e ~ /^R_[A-Z_]+$/) map["@" substr(e, 3) "@"] = ENVIRON[e] }
+        {
+            line = $0
+            if (substr(line, 1, 9) == "#@system@") { if (!sysmode) next; line = substr(line, 10) }
+            for (k in map) line = replace_all(line, k, map[k])
+            print line
+        }' "$1" >"$2"
+    # A placeholder left over is a template bug, never something to install.
+    if grep -nE '@[A-Z][A-Z_]*@' "$2" | grep -v '^[0-9]*:#' >/dev/null; then
+        die "unfilled placeholder in $(basename -- "$1"): $(grep -nE '@[A-Z][A-Z_]*@' "$2" | grep -v '^[0-9]*:#' | head -1)"
+    fi
+}
+
+header() {  # first line of every rendered file
+    printf '# Rendered by deploy/install_units.sh on %s from %s; edit the template and re-run.\n' \
+        "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$1"
+}
+
+for t in "${TEMPLATE_UNITS[@]}"; do
+    { header "deploy/systemd/$t"; cat -- "$SCRIPT_DIR/systemd/$t"; } >"$STAGE/tmpl"
+    render "$STAGE/tmpl" "$STAGE/units/$t"
+done
+{ header deploy/haproxy/openjev-gateway.cfg; cat -- "$TEMPLATE_HAPROXY"; } >"$STAGE/tmpl"
+render "$STAGE/tmpl" "$STAGE/conf/haproxy.cfg"
+for g in "${GPUS[@]}"; do
+    {
+        printf '# Rendered by deploy/install_units.sh: environment of openjev-replica@%s.service (GPU %s).\n' "$g" "$g"
+        printf '# Edit here to change this replica only (e.g. roll a new model), then restart it.\n'
+        printf 'OPENJEV_MODEL=%s\n' "$MODEL"
+        printf '# Must match "server replica%s" in haproxy.cfg.\n' "$g"
+        printf 'OPENJEV_REPLICA_PORT=%s\n' "$((REPLICA_BASE + g))"
+        printf 'OPENJEV_BACKEND=%s\n' "$BACKEND"
+        printf '# Extra launcher flags, split at spaces (e.g. --disable-radix-cache).\n'
+        printf 'OPENJEV_REPLICA_ARGS=\n'
+        printf '# Launcher settings (defaults in app/serve_sglang_v100.sh --help), e.g.\n'
+        printf '# MAX_RUNNING_REQUESTS=16\n# SCHEDULE_POLICY=lpm\n'
+        for kv in "${EXTRA_ENV[@]}"; do printf '%s\n' "$kv"; done
+    } >"$STAGE/conf/replica-$g.env"
+done
+
+# Destination of every staged file.
+declare -A DEST=()
+for t in "${TEMPLATE_UNITS[@]}"; do DEST["units/$t"]=$UNIT_DIR/$t; done
+DEST[conf/haproxy.cfg]=$CONF_DIR/haproxy.cfg
+for g in "${GPUS[@]}"; do DEST["conf/replica-$g.env"]=$CONF_DIR/replica-$g.env; done
+ORDER=()
+for t in "${TEMPLATE_UNITS[@]}"; do ORDER+=("units/$t"); done
+ORDER+=(conf/haproxy.cfg)
+for g in "${GPUS[@]}"; do ORDER+=("conf/replica-$g.env"); done
+
+# Rendered files carry a timestamp in their first line; compare the rest.
+same_content() { [[ -f $2 ]] && cmp -s <(tail -n +2 -- "$1") <(tail -n +2 -- "$2"); }
+
+if ((DRY_RUN)); then
+    for f in "${ORDER[@]}"; do
+        printf '### %s\n' "${DEST[$f]}"
+        cat -- "$STAGE/$f"
+        printf '\n'
+    done
+fi
+
+# ------------------------------------------------------------------ checks
+verify_units() {
+    local analyze mode=() runtime="" out rc=0 g
+    analyze=$(command -v systemd-analyze) ||
+        die "systemd-analyze not found (Debian: apt-get install systemd), or pass --no-verify"
+    # Instances to check: the template alone cannot be verified, each openjev-replica@G can.
+    mkdir -p "$STAGE/verify"
+    cp -- "$STAGE"/units/* "$STAGE/verify/"
+    local files=("$STAGE/verify/openjev-gateway.socket" "$STAGE/verify/openjev-gateway.service" "$STAGE/verify/openjev.target")
+    for g in "${GPUS[@]}"; do
+        cp -- "$STAGE/units/openjev-replica@.service" "$STAGE/verify/openjev-replica@$g.service"
+        files+=("$STAGE/verify/openjev-replica@$g.service")
+    done
+    if ((!SYSTEM)); then
+        mode=(--user)
+        if [[ -z ${XDG_RUNTIME_DIR:-} || ! -d ${XDG_RUNTIME_DIR:-/nonexistent} ]]; then
+            runtime=$STAGE/xdg-runtime
+            mkdir -m 700 "$runtime"
+        fi
+    fi
+    out=$(cd "$STAGE/verify" && ${runtime:+env XDG_RUNTIME_DIR="$runtime"} "$analyze" "${mode[@]}" verify "${files[@]}" 2>&1) || rc=$?
+    # Warnings (unknown keys, bad values) do not change the exit status: treat them as failures too.
+    out=$(printf '%s\n' "$out" | grep -v '^$' || true)
+    if ((rc != 0)) || [[ -n $out ]]; then
+        die "systemd-analyze ${mode[*]:+${mode[*]} }verify failed: $(printf '%s' "$out" | tr '\n' ' ' | cut -c1-600)"
+    fi
+    printf 'checked: systemd-analyze %sverify passed for %s\n' "${mode[*]:+${mode[*]} }" \
+        "$(for f in "${files[@]}"; do basename -- "$f"; done | tr '\n' ' ')"
+}
+
+verify_haproxy() {
+    local py out rc=0
+    [[ -x $HAPROXY ]] || die "cannot check haproxy.cfg: $HAPROXY is not installed (apt-get install haproxy), or pass --no-verify"
+    py=$(command -v python3) || die "cannot check haproxy.cfg: python3 (for the stand-in socket on fd 3) is not on PATH, or pass --no-verify"
+    # haproxy -c checks that fd 3 is a socket, as systemd will pass it: give it a bound one.
+    out=$("$py" -c '
+import os, socket, sys
+s = socket.socket()
+s.bind(("127.0.0.1", 0))
+if s.fileno() != 3:
+    os.dup2(s.fileno(), 3)
+os.set_inheritable(3, True)
+os.environ.update(LISTEN_FDS="1", OPENJEV_GATEWAY_ADMIN=sys.argv[1])
+os.execv(sys.argv[2], sys.argv[2:])
+' "$STAGE/admin.sock" "$HAPROXY" -c -q -f "$STAGE/conf/haproxy.cfg" 2>&1) || rc=$?
+    ((rc == 0)) || die "haproxy -c rejected the rendered haproxy.cfg: $(printf '%s' "$out" | grep -v NOTICE | tr '\n' ' ' | cut -c1-600)"
+    [[ -z $out ]] || die "haproxy -c warns about the rendered haproxy.cfg: $(printf '%s' "$out" | tr '\n' ' ' | cut -c1-600)"
+    printf 'checked: haproxy -c (HAProxy %s) accepts haproxy.cfg\n' "$HAPROXY_VERSION"
+}
+
+if ((VERIFY)); then
+    verify_units
+    verify_haproxy
+else
+    printf '%s: warning: --no-verify: units and haproxy.cfg were not checked\n' "$PROG" >&2
+fi
+
+if ((DRY_RUN)); then
+    printf 'dry run: nothing written\n'
+    exit 0
+fi
+
+# ------------------------------------------------------------------ install
+CHANGED=()
+for f in "${ORDER[@]}"; do
+    d=${DEST[$f]}
+    if [[ -e $d ]] && ! same_content "$STAGE/$f" "$d"; then CHANGED+=("$d"); fi
+done
+if ((${#CHANGED[@]})) && ((!FORCE)); then
+    die "refusing to overwrite ${#CHANGED[@]} existing file(s) that differ: ${CHANGED[*]} (re-run with --force to replace them)"
+fi
+
+mkdir -p -- "$UNIT_DIR" "$CONF_DIR" || die "cannot create $UNIT_DIR or $CONF_DIR"
+for f in "${ORDER[@]}"; do
+    d=${DEST[$f]}
+    if same_content "$STAGE/$f" "$d"; then
+        printf 'unchanged: %s\n' "$d"
+        continue
+    fi
+    verb=installed
+    [[ -e $d ]] && verb=replaced
+    tmp=$(mktemp "$(dirname -- "$d")/.$(basename -- "$d").XXXXXX") || die "cannot write in $(dirname -- "$d")"
+    cat -- "$STAGE/$f" >"$tmp"
+    chmod 0644 -- "$tmp"
+    mv -f -- "$tmp" "$d" || die "cannot install $d"
+    printf '%s: %s\n' "$verb" "$d"
+done
+
+# ------------------------------------------------------------------ next steps
+if ((SYSTEM)); then
+    SC="sudo systemctl"
+else
+    SC="systemctl --user"
+fi
+cat <<EOF
+
+Next steps (nothing was started):
+  $SC daemon-reload
+  $SC enable openjev.target openjev-gateway.socket
+  $SC start openjev.target
+$( ((SYSTEM)) || printf '  loginctl enable-linger %s   # user units keep running without a login session and start at boot\n' "$SERVICE_USER")
+Check:
+  $SC status openjev.target openjev-gateway.socket openjev-gateway.service $REPLICA_UNITS
+  curl -s http://127.0.0.1:$STATS_PORT/stats\;csv | cut -d, -f1,2,18 ; curl -s http://127.0.0.1:$PORT/health
+EOF
