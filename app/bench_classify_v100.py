@@ -41,8 +41,10 @@ processes on physical GPU INDEX (NVML numbering, as nvidia-smi shows) every --sa
 seconds from before the first request until after the last response. Allowed: the server and its
 descendants (psutil, re-read every sample), each identified by (pid, create time); the server's
 own (pid, create time) is captured at start, so a reused PID is caught. A process of anyone else on
-the GPU, a GPU process that cannot be identified, the server gone or its start time changed, or a
-failed NVML sample makes the run invalid. The first sample is taken before anything is sent: if it
+the GPU, a GPU process that cannot be identified, the server gone or its start time changed, the
+server (and every descendant) absent from the GPU's process list (wrong index, a server on another
+device, or NVML PIDs from another PID namespace: an empty list would prove nothing), or a failed
+NVML sample makes the run invalid. The first sample is taken before anything is sent: if it
 fails (no NVML driver, e.g.) or already shows a competitor, nothing is sent, the receipt says why
 and the exit status is 3. This is sampled evidence, not a GPU lease.
 
@@ -312,8 +314,14 @@ def allowed_processes(server: ProcId, server_now: ProcId | None, descendants: It
     return frozenset({tuple(server), *map(tuple, descendants)})
 
 
-def sample_violations(server: ProcId, sample: Sample) -> list[str]:
-    """Everything wrong with one sample (empty: the GPU was exclusive to the server at that moment)."""
+def sample_violations(server: ProcId, sample: Sample, require_server_on_gpu: bool = True) -> list[str]:
+    """Everything wrong with one sample (empty: the GPU was exclusive to the server at that moment).
+
+    With `require_server_on_gpu` (the bench's setting) the server or one of its descendants must itself
+    be among the GPU's processes: a server that holds no context on the GPU means a wrong GPU index, a
+    server on another device, or NVML reporting PIDs of another PID namespace (a container), and in all
+    three cases an empty process list proves nothing.
+    """
     if sample.error:
         return [f"NVML sample failed: {sample.error}"]
     pid, created = server
@@ -329,6 +337,10 @@ def sample_violations(server: ProcId, sample: Sample) -> list[str]:
             out.append(f"pid {g.pid} on the GPU cannot be identified (exited, or in another PID namespace)")
         elif (g.pid, g.create_time) not in allowed:
             out.append(f"competitor pid {g.pid} ({g.name or '?'}) on the GPU")
+    if require_server_on_gpu and not any((g.pid, g.create_time) in allowed for g in sample.gpu):
+        out.append(f"neither the server (pid {pid}) nor a descendant is among the GPU's processes "
+                   f"(NVML lists {sorted(g.pid for g in sample.gpu) or 'none'}): wrong --exclusive-gpu index, a "
+                   "server not on this GPU, or NVML PIDs from another PID namespace; exclusivity cannot be shown")
     return out
 
 
@@ -438,14 +450,16 @@ def _s(v) -> str:
 class ExclusivityMonitor:
     """Samples the GPU's processes every `interval` seconds on a daemon thread; keeps the evidence."""
 
-    def __init__(self, gpu_index: int, server: ProcId, interval: float):
+    def __init__(self, gpu_index: int, server: ProcId, interval: float, gpu=None):
+        """`gpu`: anything with NvmlGpu's pids()/info/graphics_supported/close() (default: NvmlGpu(gpu_index))."""
         self.gpu_index, self.server, self.interval = gpu_index, tuple(server), interval
-        self.gpu: NvmlGpu | None = None
+        self.gpu = gpu
         self.open_error: str | None = None
-        try:
-            self.gpu = NvmlGpu(gpu_index)
-        except NvmlUnavailable as exc:
-            self.open_error = str(exc)
+        if gpu is None:
+            try:
+                self.gpu = NvmlGpu(gpu_index)
+            except NvmlUnavailable as exc:
+                self.open_error = str(exc)
         self.t0 = time.monotonic()
         self.samples = 0
         self.violating = 0

@@ -372,7 +372,11 @@ def test_nvml_monitor_samples_a_real_gpu():
     mon.stop()
     rep = mon.report()
     assert rep["samples"] >= 3 and rep["gpu"]["uuid"]
-    for v in rep["violations"]:  # other users of GPU 0 may be flagged; a failed sample must not happen
+    # this test process holds no context on GPU 0, so every sample says the "server" is not there (and other
+    # users of GPU 0 may be flagged too); what must not happen is a failed NVML sample
+    assert rep["valid"] is False
+    assert any("neither the server" in x for v in rep["violations"] for x in v["violations"])
+    for v in rep["violations"]:
         assert not any(x.startswith("NVML sample failed") for x in v["violations"])
 
 
@@ -408,15 +412,20 @@ def test_exclusivity_allowed_set_and_competitor(process_tree):
     now, desc = bench.read_tree(parent.pid)
     assert now == server and child in desc
     assert bench.allowed_processes(server, now, desc) == {server, child}
-    # only the server and its child on the GPU: exclusive
+    # only the server and its child on the GPU: exclusive (the child alone is enough to show the server is there)
     assert bench.sample_violations(server, sample_now(parent.pid, [parent.pid, child_pid])) == []
+    assert bench.sample_violations(server, sample_now(parent.pid, [child_pid])) == []
+    # nobody on the GPU, not even the server: wrong index / another device / PID namespace -> nothing is shown
+    v = bench.sample_violations(server, sample_now(parent.pid, []))
+    assert len(v) == 1 and "neither the server" in v[0]
+    assert bench.sample_violations(server, sample_now(parent.pid, []), require_server_on_gpu=False) == []
     # a competitor appears
     v = bench.sample_violations(server, sample_now(parent.pid, [child_pid, competitor.pid]))
     assert len(v) == 1 and f"competitor pid {competitor.pid}" in v[0]
     # a GPU pid nobody can see (exited, or another PID namespace) is not given the benefit of the doubt
     dead = subprocess.Popen([PY, "-c", "pass"])
     dead.wait()
-    v = bench.sample_violations(server, sample_now(parent.pid, [dead.pid]))
+    v = bench.sample_violations(server, sample_now(parent.pid, [parent.pid, dead.pid]))
     assert len(v) == 1 and "cannot be identified" in v[0]
 
 
@@ -437,6 +446,41 @@ def test_exclusivity_reused_pid_and_vanished_server(process_tree):
     assert len(v) == 1 and "is gone" in v[0]
     # a failed NVML sample invalidates on its own
     assert "NVML sample failed" in bench.sample_violations(server, bench.Sample(0.0, error="boom"))[0]
+
+
+class ProcessListGpu:
+    """Stands in for the GPU under the monitor: reports the given real pids as its processes."""
+
+    info = {"index": 0, "name": "stand-in", "uuid": "none", "pci_bus_id": "none", "driver": "none"}
+    graphics_supported = True
+
+    def __init__(self, pids):
+        self.list = list(pids)
+
+    def pids(self):
+        return list(self.list)
+
+    def close(self):
+        pass
+
+
+def test_exclusivity_monitor_records_the_evidence(process_tree):
+    parent, child_pid, competitor = process_tree
+    gpu = ProcessListGpu([child_pid])
+    mon = bench.ExclusivityMonitor(0, bench.proc_id(parent.pid), 0.05, gpu=gpu)
+    assert mon.take() == []
+    mon.start()
+    time.sleep(0.3)
+    gpu.list.append(competitor.pid)  # a competitor arrives mid-run
+    time.sleep(0.3)
+    mon.stop()
+    rep = mon.report()
+    assert rep["valid"] is False and f"competitor pid {competitor.pid}" in rep["reason"]
+    assert rep["samples"] >= 6 and 1 <= rep["violating_samples"] < rep["samples"]
+    assert 1 <= len(rep["violations"]) <= 10 and rep["interval_s"] == 0.05
+    seen = {p["pid"]: p["allowed"] for p in rep["gpu_processes_seen"]}
+    assert seen == {child_pid: True, competitor.pid: False}
+    assert rep["server"] == {"pid": parent.pid, "create_time": bench.proc_id(parent.pid)[1]}
 
 
 # ---------------------------------------------------------------- pure functions
