@@ -73,7 +73,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import math
+import os
 import platform
 import re
 import signal
@@ -1038,10 +1038,13 @@ def main() -> int:
     ref_pe = entailment_prob(data.reference)
     pass_arrays: list[np.ndarray] = []
     server_failure = False
-    old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+    intr = _Interrupts()
+    old_handlers = {sig: signal.signal(sig, intr.handler) for sig in (signal.SIGTERM, signal.SIGINT)}
     pool = ThreadPoolExecutor(max_workers=args.workers, thread_name_prefix="bench-client")
     try:
         for i in range(1 + args.repetitions):
+            if intr.requested:
+                raise KeyboardInterrupt
             kind = "initial" if i == 0 else "measured"
             flush = None
             if args.cold_cache:
@@ -1053,8 +1056,14 @@ def main() -> int:
                     server_failure = True
                     break
                 flush = {"status": resp.status_code, "s": round(time.perf_counter() - t0, 4)}
-            p = run_pass(client, pool, bodies, offsets, len(data.rows), i, kind,
-                         f"{mode} pass {i + 1}/{1 + args.repetitions} ({kind})")
+            intr.armed = True  # a signal now discards the pass in flight; elsewhere it stops before the next
+            try:
+                if intr.requested:
+                    raise KeyboardInterrupt
+                p = run_pass(client, pool, bodies, offsets, len(data.rows), i, kind,
+                             f"{mode} pass {i + 1}/{1 + args.repetitions} ({kind})")
+            finally:
+                intr.armed = False
             p.flush = flush
             entry = pass_entry(p, data, ref_pe, groups)
             section["passes"].append(entry)
@@ -1077,7 +1086,8 @@ def main() -> int:
         reasons.append("interrupted (SIGINT/SIGTERM) during the passes")
         server_failure = True
     finally:
-        signal.signal(signal.SIGTERM, old_term)
+        for sig, h in old_handlers.items():
+            signal.signal(sig, h)
         pool.shutdown(wait=False, cancel_futures=True)
         if monitor is not None:
             monitor.stop()
@@ -1116,13 +1126,18 @@ def main() -> int:
                           f"pass {fl['pass']} group [{' '.join(fl['rows'])}] chose {' '.join(fl['candidate_choice'])}, "
                           f"outside winners [{' '.join(fl['reference_winners'])}]")
     code = decide_exit(au["failed"], server_failure, receipt["exclusive"]["valid"] if receipt["exclusive"] else None)
-    return finish(code, reasons[0] if code else None, pass_arrays)
+    code = finish(code, reasons[0] if code else None, pass_arrays)
+    if server_failure:
+        # requests of the stopped pass may still hang in worker threads until --timeout; everything is written
+        # (fsync'd and renamed), so leave now instead of letting the interpreter join them
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _pass_line(entry: dict, total: int, mode: str) -> None:
-    """One line per pass on stderr when there is no progress bar (not a TTY)."""
-    if sys.stderr.isatty():
-        return
+    """One line per pass on stderr (the progress bar, on a TTY only, is cleared when its pass ends)."""
     ag, au = entry["agreement"], entry["audit"]
     print(f"{mode} pass {entry['index'] + 1}/{total} ({entry['kind']}): {entry['rows']} rows in "
           f"{entry['wall_s']:.3f} s, max |dp_e| {ag['max_abs_dp_e']:.3g}, argmax changes "
@@ -1130,8 +1145,18 @@ def _pass_line(entry: dict, total: int, mode: str) -> None:
           file=sys.stderr, flush=True)
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
+class _Interrupts:
+    """SIGTERM/SIGINT during the passes: interrupt a pass in flight (it is discarded whole), or, between passes,
+    stop before the next one, so the passes kept and their bookkeeping always agree."""
+
+    def __init__(self):
+        self.requested = False
+        self.armed = False
+
+    def handler(self, signum, frame):
+        self.requested = True
+        if self.armed:
+            raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -334,6 +334,26 @@ def test_server_dying_mid_run_keeps_the_passes_done(overlay, mini, tmp_path):
     assert validate(out).returncode == 0
 
 
+def test_sigterm_mid_run_writes_a_partial_receipt(server, mini, tmp_path):
+    """The tuner stops an overlong bench with SIGTERM: the passes done are kept, the run is incomplete."""
+    out = tmp_path / "term.json"
+    base = server_info(server.url)["counters"]["requests"]
+    cmd = [PY, str(APP / BENCH), "--url", server.url, "--inputs", mini["inputs"], "--tokens", mini["tokens"],
+           "--reference", mini["reference"], "--out", out, "--truncate", TRUNCATE, "--batch-size", 12,
+           "--repetitions", 500]
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    deadline = time.monotonic() + 120
+    while server_info(server.url)["counters"]["requests"] - base < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 4, stderr
+    assert "interrupted" in error_lines(stderr)[0]
+    r = receipt_of(out)
+    assert r["complete"] is False and r["exit_code"] == 4 and r["warm"]["passes_done"] >= 2
+    assert np.load(out.with_name("term.passes.npy")).shape[0] == r["warm"]["passes_done"]
+
+
 def nvml_available() -> tuple[bool, str]:
     try:
         import pynvml
