@@ -64,8 +64,9 @@ Exit status (the receipt is written for every status >= 2; status 1 writes nothi
 Examples:
   bench_classify_v100.py --url http://127.0.0.1:31003 --inputs G.jsonl --tokens G.tokens.jsonl \\
       --reference results/ref_G --out results/bench_G_warm.json
-  bench_classify_v100.py ... --cold-cache --exclusive-gpu 3 --server-pid "$(pgrep -f 'port 31003' -o)" \\
-      --out results/bench_G_cold.json
+  PID=$(curl -s http://127.0.0.1:31003/server_info | python3 -c 'import json,sys; print(json.load(sys.stdin)["pid"])')
+  bench_classify_v100.py ... --cold-cache --exclusive-gpu 3 --server-pid "$PID" --out results/bench_G_cold.json
+  (the server's GPU processes must be PID's descendants: the SGLang HTTP process or its launcher both qualify)
 """
 
 from __future__ import annotations
@@ -600,7 +601,9 @@ def load_run_data(args) -> RunData:
         raise UserError(f"sha256 of the truncated ids {ids_sha[:12]}... differs from the reference's "
                         f"tokens.ids_sha256 {str(ref_tokens.get('ids_sha256'))[:12]}...")
     ref_npy_sha = sha256_file(ref_npy)
-    if meta.get("logits_sha256") and meta["logits_sha256"] != ref_npy_sha:
+    if not meta.get("logits_sha256"):
+        raise UserError(f"{ref_json} records no logits_sha256; the reference logits cannot be verified")
+    if meta["logits_sha256"] != ref_npy_sha:
         raise UserError(f"{ref_npy} sha256 {ref_npy_sha[:12]}... differs from its receipt's logits_sha256 "
                         f"{meta['logits_sha256'][:12]}... (edited or corrupted)")
     sidecar = args.reference / "tokens.sha256"
@@ -890,6 +893,7 @@ def print_summary(r: dict, out: Path) -> None:
                   f"{au.get('passes_audited', 0)} passes"),
         ("exclusive GPU", excl),
         ("retries", str(t.get("retries", 0))),
+        ("warnings", "; ".join(r.get("warnings") or []) or "none"),
         ("result", f"{'VALID' if r['valid'] else 'INVALID'}, {'complete' if r['complete'] else 'INCOMPLETE'} "
                    f"(exit {r['exit_code']})"),
         ("receipt", str(out)),
@@ -1002,6 +1006,9 @@ def main() -> int:
         reasons.append(f"server unreachable at start: {exc}")
         return finish(EXIT_INCOMPLETE, reasons[-1], [])
     receipt["server"]["info_before"] = info
+    if info.get("dtype") and data.ref_meta.get("dtype") and info["dtype"] != data.ref_meta["dtype"]:
+        warnings.append(f"the reference is {data.ref_meta['dtype']} but the server runs {info['dtype']}: the "
+                        "differences include the change of precision")
     ctx, cap = info.get("context_length"), info.get("max_batch_size")
     if isinstance(ctx, int) and max(len(r) for r in data.rows) >= ctx:
         raise UserError(f"the longest row has {max(len(r) for r in data.rows)} ids after --truncate {args.truncate}, "
