@@ -307,7 +307,7 @@ def test_rendered_units_say_what_the_deployment_needs(overlay, tmp_path):
         assert line in rep.splitlines(), line
     assert "Wants=openjev-gateway.socket openjev-gateway.service openjev-replica@0.service openjev-replica@1.service" in tgt
     for line in ["    bind fd@3", "    balance leastconn", "    option httpchk GET /health", "    http-check expect status 200",
-                 "    option redispatch 1", "    option http-buffer-request",
+                 "    option redispatch 1", "    option http-buffer-request", "    option http-server-close",
                  "    retry-on conn-failure empty-response junk-response response-timeout 503",
                  "    server replica0 127.0.0.1:31100", "    server replica1 127.0.0.1:31101",
                  "    bind 127.0.0.1:31090", "    http-request use-service prometheus-exporter if { path /metrics }",

@@ -1,0 +1,414 @@
+#!/usr/bin/env python3
+"""What the production gateway costs and gives: HAProxy (deploy/) in front of embedded replicas.
+
+The deployment is the real one: units and haproxy.cfg rendered by deploy/install_units.sh
+(`--backend transformers`, stand-in ports on 127.0.0.1), run by deploy/unit_runner.py the way
+systemd runs them (socket held by this process and passed as fd 3, Type=notify, replicas through
+app/serve_sglang_v100.sh). Two replicas, one CPU thread each (OMP_NUM_THREADS=1).
+
+  latency     added latency of the gateway: one client, one request at a time, requests sent
+              alternately direct to replica0 and through the gateway (which is pinned to replica0 by
+              putting replica1 in maintenance over the runtime API), same client code (http.client),
+              same run. Two request kinds: GET /health (almost no backend work: the proxy's own
+              cost) and POST /classify with one row (end to end); two client modes: keep-alive and a
+              fresh connection per request. Reports p50/p99/mean of each path and the differences
+              gateway - direct. Goal: p99 added < 1 ms on loopback.
+  throughput  --requests /classify requests of 1-2 rows from --clients keep-alive clients through
+              the gateway, with one replica (replica1 in maintenance) and then with two; requests/s,
+              rows/s, latency percentiles; every answer compared bitwise with the reference logits.
+
+The result names the machine (platform, CPU model, CPU count, load average before and after):
+figures from one machine are never to be read as another's. This is a CPU machine: the script
+refuses to write under results_v100/.
+
+Example (this is how benchmarks/results_cpu/gateway_cpu.json was made):
+  .venv/bin/python benchmarks/bench_gateway.py --out benchmarks/results_cpu/gateway_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+APP = REPO / "app"
+sys.path.insert(0, str(APP))
+sys.path.insert(0, str(REPO / "deploy"))
+
+import unit_runner  # noqa: E402
+from _common import UserError, atomic_write_json, git_revision, run_main, utc_now  # noqa: E402
+
+KIND = "openjev-gateway-bench"
+DEFAULT_OUT = REPO / "benchmarks" / "results_cpu" / "gateway_cpu.json"
+PY = sys.executable
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="result JSON (default: %(default)s)")
+    p.add_argument("--work", type=Path, default=None,
+                   help="directory for the tiny model, rendered units and logs (default: a temporary one)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="model overlay for the replicas (default: a tiny random-weight model built under --work); "
+                        "with --model, also give --tokens and --reference")
+    p.add_argument("--tokens", type=Path, default=None, help="token file (tokenize_nli.py output) for --model")
+    p.add_argument("--reference", type=Path, default=None, help="reference dir (score_reference.py output) for --model")
+    p.add_argument("--latency-pairs", type=int, default=1000,
+                   help="direct/gateway request pairs per request kind and client mode (default: 1000)")
+    p.add_argument("--requests", type=int, default=1000, help="requests per throughput run (default: 1000)")
+    p.add_argument("--clients", type=int, default=8, help="concurrent clients in the throughput runs (default: 8)")
+    p.add_argument("--haproxy", default=None, help="HAProxy executable (default: haproxy on PATH)")
+    return p
+
+
+# ---------------------------------------------------------------- setup
+def run(cmd: list, what: str) -> str:
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, cwd=REPO)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        raise UserError(f"{what} failed ({proc.returncode}): {tail[0]}")
+    return proc.stdout
+
+
+def build_tiny(work: Path) -> tuple[Path, Path, Path]:
+    model, tokens, ref = work / "model", work / "tokens.jsonl", work / "reference"
+    if not (ref / "reference.npy").exists():
+        print("building the tiny model, its tokens and reference logits ...", flush=True)
+        run([PY, APP / "make_tiny_model.py", work / "checkpoint", "--processor-out", work / "processor"], "make_tiny_model")
+        run([PY, APP / "prepare_v100_model.py", work / "checkpoint", model, "--processor-dir", work / "processor",
+             "--allow-unpinned"], "prepare_v100_model")
+        run([PY, APP / "tokenize_nli.py", "--model", model, "--inputs", REPO / "data" / "nli_sample.jsonl",
+             "--out", tokens], "tokenize_nli")
+        run([PY, APP / "score_reference.py", "--model", model, "--tokens", tokens, "--inputs",
+             REPO / "data" / "nli_sample.jsonl", "--out", ref], "score_reference")
+    return model, tokens, ref
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_pair() -> int:
+    for _ in range(200):
+        base = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", base + 1))
+                return base
+            except OSError:
+                continue
+    raise UserError("no two consecutive free ports on 127.0.0.1")
+
+
+def admin(path: Path, command: str) -> str:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(str(path))
+        s.sendall(command.encode() + b"\n")
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out.decode()
+
+
+def server_status(path: Path) -> dict[str, str]:
+    lines = admin(path, "show stat").lstrip("# ").splitlines()
+    head = lines[0].split(",")
+    rows = [dict(zip(head, line.split(","))) for line in lines[1:] if line]
+    return {r["svname"]: r["status"] for r in rows if r.get("pxname") == "openjev" and r["svname"].startswith("replica")}
+
+
+def wait_status(path: Path, want: dict[str, str], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            st = server_status(path)
+            if all(st.get(k) == v for k, v in want.items()):
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise UserError(f"replicas did not reach {want} within {timeout:.0f} s")
+
+
+def machine() -> dict:
+    cpu = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"label": f"CPU machine: {cpu or platform.processor() or 'unknown CPU'}, {os.cpu_count()} logical CPUs "
+                     "(no GPU; not eva01)",
+            "platform": platform.platform(), "cpu_model": cpu, "cpu_count": os.cpu_count(),
+            "cpus_usable": len(os.sched_getaffinity(0)), "host": socket.gethostname(),
+            "python": platform.python_version()}
+
+
+# ---------------------------------------------------------------- measurements
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q))
+
+
+def summary_ms(values: list[float]) -> dict:
+    ms = [v * 1e3 for v in values]
+    return {"n": len(ms), "p50_ms": round(pct(ms, 50), 3), "p90_ms": round(pct(ms, 90), 3),
+            "p99_ms": round(pct(ms, 99), 3), "mean_ms": round(statistics.fmean(ms), 3), "max_ms": round(max(ms), 3)}
+
+
+class Client:
+    """HTTP/1.1 over http.client (the least client overhead in Python): one keep-alive connection,
+    or with fresh=True a new connection per request (Connection: close)."""
+
+    def __init__(self, port: int, fresh: bool = False):
+        self.port = port
+        self.fresh = fresh
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+
+    def call(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes, dict]:
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        if self.fresh:
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+            try:
+                conn.request(method, path, body=body, headers={**headers, "Connection": "close"})
+                r = conn.getresponse()
+                return r.status, r.read(), dict(r.getheaders())
+            except (http.client.HTTPException, ConnectionError) as exc:
+                raise UserError(f"request to port {self.port} failed: {exc!r}") from None
+            finally:
+                conn.close()
+        for attempt in (0, 1):
+            try:
+                self.conn.request(method, path, body=body, headers=headers)
+                r = self.conn.getresponse()
+                return r.status, r.read(), dict(r.getheaders())
+            except (http.client.HTTPException, ConnectionError) as exc:
+                # A keep-alive connection closed by the peer between requests: reconnect once.
+                self.conn.close()
+                self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+                if attempt:
+                    raise UserError(f"request to port {self.port} failed: {exc!r}") from None
+        raise AssertionError("unreachable")
+
+
+def latency_phase(direct_port: int, gateway_port: int, pairs: int, row: list[int]) -> dict:
+    out = {}
+    kinds = {"health": ("GET", "/health", None),
+             "classify_1_row": ("POST", "/classify", json.dumps({"input_ids": [row]}).encode())}
+    for mode in ("keepalive", "fresh"):
+        out[mode] = latency_mode(direct_port, gateway_port, pairs, kinds, mode == "fresh")
+    return out
+
+
+def latency_mode(direct_port: int, gateway_port: int, pairs: int, kinds: dict, fresh: bool) -> dict:
+    out = {}
+    mode = "fresh connection per request" if fresh else "keep-alive"
+    for kind, (method, path, body) in kinds.items():
+        direct, gateway = Client(direct_port, fresh), Client(gateway_port, fresh)
+        for c in (direct, gateway):  # warm the connections (and the gateway's server-side connection)
+            for _ in range(20):
+                c.call(method, path, body)
+        times = {"direct": [], "gateway": []}
+        for i in range(pairs):
+            order = (("direct", direct), ("gateway", gateway)) if i % 2 == 0 else (("gateway", gateway), ("direct", direct))
+            for name, c in order:
+                t0 = time.perf_counter()
+                status, _, _ = c.call(method, path, body)
+                times[name].append(time.perf_counter() - t0)
+                if status != 200:
+                    raise UserError(f"{kind} via {name}: HTTP {status}")
+        d, g = summary_ms(times["direct"]), summary_ms(times["gateway"])
+        paired = [(b - a) * 1e3 for a, b in zip(times["direct"], times["gateway"])]
+        out[kind] = {"direct": d, "gateway": g,
+                     "added_p50_ms": round(g["p50_ms"] - d["p50_ms"], 3),
+                     "added_p99_ms": round(g["p99_ms"] - d["p99_ms"], 3),
+                     "added_mean_ms": round(g["mean_ms"] - d["mean_ms"], 3),
+                     "paired_difference_median_ms": round(statistics.median(paired), 3)}
+        print(f"latency {kind}, {mode}: direct p50 {d['p50_ms']} p99 {d['p99_ms']} ms; gateway p50 {g['p50_ms']} "
+              f"p99 {g['p99_ms']} ms; added p50 {out[kind]['added_p50_ms']} p99 {out[kind]['added_p99_ms']} ms",
+              flush=True)
+    return out
+
+
+def throughput_run(port: int, rows: list[list[int]], ref: np.ndarray, n: int, clients: int) -> dict:
+    lock = threading.Lock()
+    state = {"next": 0, "rows": 0, "failures": 0, "mismatches": 0}
+    lat: list[float] = []
+    by_replica: dict[str, int] = {}
+
+    def worker():
+        c = Client(port)
+        while True:
+            with lock:
+                i = state["next"]
+                if i >= n:
+                    return
+                state["next"] += 1
+            k = i % len(rows)
+            idx = [k] if i % 2 == 0 else [k, (k + 7) % len(rows)]
+            body = json.dumps({"input_ids": [rows[j] for j in idx]}).encode()
+            t0 = time.perf_counter()
+            try:
+                status, data, headers = c.call("POST", "/classify", body)
+            except UserError:
+                status, data, headers = 0, b"", {}
+            dt = time.perf_counter() - t0
+            with lock:
+                lat.append(dt)
+                state["rows"] += len(idx)
+                if status != 200:
+                    state["failures"] += 1
+                    continue
+                got = np.asarray(json.loads(data)["logits"], dtype=np.float32)
+                if not np.array_equal(got, ref[idx]):
+                    state["mismatches"] += 1
+                name = headers.get("X-OpenJEV-Replica") or headers.get("x-openjev-replica") or "?"
+                by_replica[name] = by_replica.get(name, 0) + 1
+
+    threads = [threading.Thread(target=worker) for _ in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    secs = time.perf_counter() - t0
+    return {"requests": n, "rows": state["rows"], "clients": clients, "seconds": round(secs, 3),
+            "requests_per_s": round(n / secs, 2), "rows_per_s": round(state["rows"] / secs, 2),
+            "latency": summary_ms(lat), "failures": state["failures"], "mismatches": state["mismatches"],
+            "served_by": by_replica}
+
+
+# ---------------------------------------------------------------- main
+def main() -> int:
+    args = build_parser().parse_args()
+    out = args.out.resolve()
+    if "results_v100" in out.parts:
+        raise UserError(f"{out} is under results_v100/, which holds V100 receipts only; this is a CPU benchmark")
+    haproxy = shutil.which(args.haproxy or "haproxy") or ("/usr/sbin/haproxy" if os.access("/usr/sbin/haproxy", os.X_OK) else None)
+    if haproxy is None:
+        raise UserError("haproxy is not installed (Debian: apt-get install haproxy)")
+    if args.model and not (args.tokens and args.reference):
+        raise UserError("--model needs --tokens and --reference (the reference logits every answer is checked against)")
+    if min(args.latency_pairs, args.requests, args.clients) < 1:
+        raise UserError("--latency-pairs, --requests and --clients must be >= 1")
+
+    tmp = None
+    work = args.work
+    if work is None:
+        tmp = tempfile.TemporaryDirectory(prefix="openjev-bench-gateway-")
+        work = Path(tmp.name)
+    work = work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    if args.model:
+        model, tokens, refdir = args.model.resolve(), args.tokens.resolve(), args.reference.resolve()
+    else:
+        model, tokens, refdir = build_tiny(work)
+    rows = [json.loads(line)["input_ids"] for line in tokens.read_text().splitlines() if line.strip()]
+    ref = np.load(refdir / "reference.npy")
+
+    port, stats_port, base = free_port(), free_port(), free_pair()
+    deploy = work / "deploy"
+    shutil.rmtree(deploy, ignore_errors=True)
+    (deploy / "root").mkdir(parents=True)
+    run(["bash", REPO / "deploy" / "install_units.sh", "--root", deploy / "root", "--model", model,
+         "--unit-dir", deploy / "units", "--conf-dir", deploy / "conf", "--gpus", "0,1", "--port", port,
+         "--stats-port", stats_port, "--replica-port-base", base, "--backend", "transformers",
+         "--haproxy", haproxy, "--env", f"OPENJEV_PYTHON={PY}", "--env", "OMP_NUM_THREADS=1", "--no-verify"],
+        "install_units.sh")
+    runtime = Path(tempfile.mkdtemp(prefix="ojgw-", dir="/tmp"))  # short: AF_UNIX path limit
+    adm = runtime / "openjev-gateway" / "admin.sock"
+    load_before = os.getloadavg()
+    version = subprocess.run([haproxy, "-v"], capture_output=True, text=True).stdout.split()[2]
+    mgr = unit_runner.Manager(deploy / "units", runtime, deploy / "journal")
+    try:
+        print(f"starting the gateway on 127.0.0.1:{port} and replicas on {base}, {base + 1} ...", flush=True)
+        mgr.start_target("openjev.target")
+        wait_status(adm, {"replica0": "UP", "replica1": "UP"})
+
+        admin(adm, "set server openjev/replica1 state maint")
+        wait_status(adm, {"replica1": "MAINT"})
+        latency = latency_phase(base, port, args.latency_pairs, rows[0])
+
+        print(f"throughput: {args.requests} requests, {args.clients} clients, one replica ...", flush=True)
+        one = throughput_run(port, rows, ref, args.requests, args.clients)
+        admin(adm, "set server openjev/replica1 state ready")
+        wait_status(adm, {"replica0": "UP", "replica1": "UP"})
+        print(f"throughput: {args.requests} requests, {args.clients} clients, two replicas ...", flush=True)
+        two = throughput_run(port, rows, ref, args.requests, args.clients)
+    finally:
+        mgr.close()
+        shutil.rmtree(runtime, ignore_errors=True)
+        if tmp is not None:
+            tmp.cleanup()
+    load_after = os.getloadavg()
+    # A replica whose sockets lack TCP_NODELAY answers keep-alive requests after the first one
+    # ~40 ms late (Nagle against the client's delayed ACK); fresh connections are not affected.
+    ka, fr = latency["keepalive"]["health"]["direct"]["p50_ms"], latency["fresh"]["health"]["direct"]["p50_ms"]
+    stall = {"detected": ka > 30 and fr < 10, "direct_keepalive_health_p50_ms": ka,
+             "direct_fresh_health_p50_ms": fr,
+             "explanation": "the embedded backend's accepted sockets lack TCP_NODELAY (app/_common.py "
+                            "bind_listen_socket creates the socket with proto 0, so asyncio does not set it): "
+                            "uvicorn writes headers and body separately and the body waits for the client's "
+                            "delayed ACK. The gateway (option http-server-close) is not affected; direct "
+                            "keep-alive clients are."}
+    # With the stall, keep-alive "added latency" is negative nonsense: judge the goal on fresh connections.
+    goal_mode = "fresh" if stall["detected"] else "keepalive"
+
+    for name, res in (("one replica", one), ("two replicas", two)):
+        print(f"{name}: {res['requests_per_s']} req/s, {res['rows_per_s']} rows/s, p50 {res['latency']['p50_ms']} ms, "
+              f"p99 {res['latency']['p99_ms']} ms, failures {res['failures']}, mismatches {res['mismatches']}")
+    result = {
+        "kind": KIND,
+        "created": utc_now(),
+        "machine": machine(),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in load_after],
+        "bundle_git": git_revision(),
+        "haproxy_version": version,
+        "deployment": "deploy/install_units.sh --backend transformers (tiny random-weight Qwen3.5 classifier, "
+                      "float32, exact batching, OMP_NUM_THREADS=1 per replica) run by deploy/unit_runner.py; "
+                      "HAProxy master-worker on a socket held by the runner (fd 3)",
+        "parameters": {"latency_pairs": args.latency_pairs, "requests": args.requests, "clients": args.clients,
+                       "request_rows": "1 (even i) or 2 (odd i) rows of data/nli_sample.jsonl tokens",
+                       "model": "tiny random-weight" if not args.model else str(args.model)},
+        "latency": latency,
+        "goal": {"added_p99_ms_below": 1.0, "evaluated_on": goal_mode,
+                 **{f"met_{kind}": latency[goal_mode][kind]["added_p99_ms"] < 1.0 for kind in latency[goal_mode]}},
+        "backend_delayed_ack_stall": stall,
+        "throughput": {"one_replica": one, "two_replicas": two,
+                       "speedup_two_vs_one": round(two["requests_per_s"] / one["requests_per_s"], 3)},
+        "notes": [
+            "Latency: one client, requests alternating direct/gateway in one run; replica1 in maintenance so the "
+            "gateway forwards to the same replica0 the direct requests hit. Two client modes: keep-alive (one "
+            "connection per path) and a fresh connection per request; with keep-alive the direct path carries "
+            "the backend's delayed-ACK stall when backend_delayed_ack_stall.detected, so compare the fresh mode.",
+            "Throughput on CPU: both replicas share this machine's cores (and, on a shared machine, other "
+            "people's work: see the load averages), so two replicas cannot double throughput here as two GPUs would.",
+        ],
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out, result)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
