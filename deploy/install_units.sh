@@ -102,7 +102,9 @@ check_path() {
 
 check_port() {
     local what=$1 v=$2
-    [[ $v =~ ^[0-9]{1,5}$ ]] && ((10#$v >= 1 && 10#$v <= 65535)) || usage_error "$what must be a port number 1-65535, got '$v'"
+    if ! [[ $v =~ ^[0-9]{1,5}$ ]] || ((10#$v < 1 || 10#$v > 65535)); then
+        usage_error "$what must be a port number 1-65535, got '$v'"
+    fi
 }
 
 # ------------------------------------------------------------------ arguments
@@ -112,7 +114,7 @@ SYSTEM=0 UNIT_DIR_ARG="" CONF_DIR_ARG="" FORCE=0 DRY_RUN=0 VERIFY=1
 EXTRA_ENV=()
 
 need_value() {
-    (($2 >= 2)) && [[ -n $3 && $3 != --* ]] || usage_error "$1 needs a value"
+    if (($2 < 2)) || [[ -z $3 || $3 == --* ]]; then usage_error "$1 needs a value"; fi
 }
 
 while (($#)); do
@@ -155,7 +157,7 @@ SEEN_PORT[$STATS_PORT]=--stats-port
 declare -A SEEN_GPU=()
 for i in "${!GPUS[@]}"; do
     g=$((10#${GPUS[$i]}))
-    GPUS[$i]=$g
+    GPUS[i]=$g
     [[ -z ${SEEN_GPU[$g]:-} ]] || usage_error "--gpus lists GPU $g twice"
     SEEN_GPU[$g]=1
     p=$((REPLICA_BASE + g))

@@ -476,6 +476,37 @@ def test_replica_crash_fails_no_request_and_the_replica_rejoins(deployment, data
     assert int(st["replica0"]["stot"]) > stot_rejoined
 
 
+@needs_haproxy
+def test_replica_restart_under_load_and_drain_over_the_runtime_api(deployment, data):
+    """`systemctl restart openjev-replica@1` (SIGTERM: graceful) under load fails nothing; then the
+    operator's drain/ready commands of DEPLOYMENT-eva01.md steer traffic as documented."""
+    rows, ref = data
+    r = deployment
+    wait_both_up(r)
+    victim = r["replicas"][1]
+    pid0 = victim.main_pid
+    load = Load(r["url"], rows, ref, max(300, FAILOVER_REQUESTS // 4)).start()
+    load.wait_done(load.n // 4)
+    in_flight = load.in_flight
+    victim.restart(wait=True)  # SIGTERM to the server, wait for it to exit, start it again
+    load.join()
+    assert victim.main_pid not in (None, pid0)
+    assert not load.failures, load.failures[:5]
+    assert not load.mismatches
+    wait_both_up(r)
+
+    assert admin(r["admin"], "set server openjev/replica0 state drain").strip() == ""
+    drained = Load(r["url"], rows, ref, 48).start().join()
+    assert drained.by_replica == {"replica1": 48} and not drained.failures
+    assert replica_stats(r["admin"])["replica0"]["status"] == "DRAIN"
+    admin(r["admin"], "set server openjev/replica0 state ready")
+    both = Load(r["url"], rows, ref, 48).start().join()
+    assert set(both.by_replica) == {"replica0", "replica1"} and not both.failures
+    print(f"\nreplica restart (SIGTERM) under load: {load.n} requests, {in_flight} in flight at the restart, "
+          f"{len(load.failures)} failed, {len(load.mismatches)} mismatched; drain: {drained.by_replica}, "
+          f"ready: {both.by_replica}")
+
+
 # ---------------------------------------------------------------- gateway restart, reload, crash
 @needs_haproxy
 def test_gateway_restart_reload_and_crash_under_load(deployment, data):
