@@ -188,8 +188,11 @@ def bind_listen_socket(host: str, port: int, backlog: int = 2048) -> socket.sock
     live listener, which is exactly the refusal the launcher needs.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Accepted sockets inherit TCP_NODELAY: without it every keep-alive response after the first
+    # waits ~40 ms for the client's delayed ACK (Nagle), measured through the gateway benchmark.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
         sock.listen(backlog)
