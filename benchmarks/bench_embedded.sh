@@ -40,7 +40,7 @@ SET="$WORK/set-$ROWS-${PREMISE/:/-}"
 REF="$WORK/ref-$SHAPE-${DEVICE%%:*}-$(basename "$SET")"
 [ -d "$REF" ] || "$PY" app/score_reference.py --model "$WORK/model-$SHAPE" --tokens "$SET.tokens.jsonl" \
   --inputs "$SET.jsonl" --out "$REF" --device "$DEVICE"
-cp "$REF/reference.json" "$OUTDIR/$NAME.reference.json"
+cp -r "$REF" "$OUTDIR/$NAME.reference"   # reference.json + reference.npy + tokens.sha256
 
 PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 "$PY" app/serve_transformers.py "$WORK/model-$SHAPE" "$PORT" --device "$DEVICE" --batching "${BATCHING:-auto}" \

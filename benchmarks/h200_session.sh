@@ -55,7 +55,7 @@ log "3. small set and reference"
 "$PY" app/make_synthetic_inputs.py "$W/SMALL" --rows "${SMALL:-32}" --premise-tokens 200:800 --seed 1
 "$PY" app/score_reference.py --model "$W/model-$SHAPE" --tokens "$W/SMALL.tokens.jsonl" --inputs "$W/SMALL.jsonl" \
   --out "$W/ref64" --device "$DEVICE"
-cp "$W/ref64/reference.json" "$R/SMALL.reference.json"
+cp -r "$W/ref64" "$R/SMALL.reference"
 
 log "3a. exclusivity, server alone (exact batching)"
 PORT=$(free_port)
