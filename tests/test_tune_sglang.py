@@ -415,7 +415,8 @@ def test_daemon_pid_guard_and_sigterm_stops_the_server(overlay, sample_tokens, r
 def test_sigterm_in_the_foreground_during_the_bench(overlay, sample_tokens, reference, tmp_path):
     out = tmp_path / "tuning"
     proc = subprocess.Popen(tune_args(overlay, sample_tokens, reference, out, free_port(), "--profiles", "fcfs:4,lpm:8",
-                                      "--repetitions", "3"),
+                                      # enough passes that the bench is surely still running when the signal lands
+                                      "--repetitions", "200"),
                             env=tune_env(tmp_path), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: (out / "fcfs-4" / "S.cold.bench.log").exists(), 240, "the first bench")
