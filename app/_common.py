@@ -14,7 +14,6 @@ import json
 import os
 import platform
 import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -122,16 +121,9 @@ def require_pin(value: str | None, what: str, allow_unpinned: bool,
 
 # ---------------------------------------------------------------- environment receipt
 def git_revision(repo: Path = REPO_ROOT) -> dict:
-    def git(*args: str) -> str | None:
-        try:
-            out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return out.stdout.strip() if out.returncode == 0 else None
+    from sglang_openjev.provenance import git_revision as _git_revision
 
-    rev = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": rev, "dirty": bool(status) if status is not None else None}
+    return _git_revision(repo)
 
 
 def gpu_inventory() -> list[dict]:

@@ -24,7 +24,6 @@ import functools
 import logging
 import math
 import os
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -32,7 +31,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from sglang_openjev import contract
+from sglang_openjev import contract, provenance
 
 logger = logging.getLogger(__name__)
 
@@ -69,16 +68,7 @@ def max_batch_size(environ: Mapping[str, str] = os.environ) -> int:
 @functools.lru_cache(maxsize=None)
 def bundle_git_revision(root: Path = PACKAGE_ROOT) -> dict:
     """{"commit", "dirty"} of the bundle checkout this package runs from (None where not a checkout)."""
-    def git(*args: str) -> Optional[str]:
-        try:
-            out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return out.stdout.strip() if out.returncode == 0 else None
-
-    commit = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": commit, "dirty": bool(status) if status is not None else None}
+    return provenance.git_revision(root)
 
 
 def bundle_revision(environ: Mapping[str, str] = os.environ) -> dict:
