@@ -23,12 +23,11 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 from pathlib import Path
 
-from _common import REPO_ROOT, UserError, run_main
+from _common import REPO_ROOT, UserError, run_main, sha256_file
 
 SCHEMA_DIR = REPO_ROOT / "results_v100" / "schemas"
 SCHEMA_SUFFIX = ".schema.json"
@@ -80,14 +79,6 @@ def expand(paths: list[Path]) -> list[Path]:
     return files
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
 def check_bench_files(receipt: dict, where: Path) -> list[str]:
     problems = []
     for key, entry in (receipt.get("outputs") or {}).items():
@@ -96,7 +87,7 @@ def check_bench_files(receipt: dict, where: Path) -> list[str]:
         f = where.parent / entry["file"]
         if not f.is_file():
             problems.append(f"outputs.{key}: {f.name} is missing beside the receipt")
-        elif _sha256(f) != entry["sha256"]:
+        elif sha256_file(f) != entry["sha256"]:
             problems.append(f"outputs.{key}: {f.name} sha256 differs from the receipt's (replaced or edited)")
     return problems
 
@@ -105,7 +96,7 @@ def check_reference_files(receipt: dict, where: Path) -> list[str]:
     f = where.parent / "reference.npy"
     if not f.is_file():
         return [f"reference.npy is missing beside {where.name}"]
-    if _sha256(f) != receipt.get("logits_sha256"):
+    if sha256_file(f) != receipt.get("logits_sha256"):
         return ["reference.npy sha256 differs from logits_sha256 (replaced or edited)"]
     return []
 
