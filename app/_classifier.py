@@ -11,6 +11,10 @@ backend can be checked against the reference bit for bit where the arithmetic al
 
 Pooling is Transformers' own: the rightmost token that is not `pad_token_id`
 (GenericForSequenceClassification), identical in both modes.
+
+Loading is strict, as in the SGLang adapter (sglang_openjev/weights.py): a checkpoint with a
+missing, unexpected (other than lm_head.*, mtp.*, the vision tower), duplicated or wrong-shape
+tensor is refused with the list (Transformers itself would only warn and initialise at random).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from _common import LABELS, UserError, sha256_file
+from sglang_openjev import weights
 from sglang_openjev.contract import check_label_order
 
 DTYPES = ("auto", "float16", "bfloat16", "float32")
@@ -37,6 +42,7 @@ class Classifier:
     vocab_size: int
     pad_token_id: int | None
     name: str
+    kernels: dict | None = None  # what the forward runs (app/_kernels.py kernel_path)
 
 
 def resolve_device(device: str) -> str:
@@ -55,6 +61,21 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return dtype
 
 
+def strict_loading_problems(info: dict, duplicated: list[str]) -> list[str]:
+    """Transformers' loading report (output_loading_info) -> the strict-loading problems, worded as
+    the SGLang adapter words them. Ignored as there: lm_head.*, mtp.* and the vision tower."""
+    missing = [k for k in info.get("missing_keys", ()) if not weights.is_ignored(k)]
+    unexpected = [k for k in info.get("unexpected_keys", ()) if not weights.is_ignored(k)]
+    mismatched = []
+    for entry in info.get("mismatched_keys", ()):
+        if isinstance(entry, (tuple, list)) and len(entry) == 3:  # (name, checkpoint shape, model shape)
+            mismatched.append(f"{entry[0]} {list(entry[1])} (expected {list(entry[2])})")
+        else:
+            mismatched.append(str(entry))
+    return weights.loading_problems(missing, unexpected, duplicated, mismatched,
+                                    [str(e) for e in info.get("error_msgs", ()) if e])
+
+
 def load_classifier(path: str | Path, device: str = "auto", dtype: str = "auto") -> Classifier:
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -69,7 +90,20 @@ def load_classifier(path: str | Path, device: str = "auto", dtype: str = "auto")
         raise UserError(f"{path}: {exc}") from None
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=getattr(torch, dtype))
+    from _kernels import kernel_path, select_kernels
+
+    select_kernels(device, config)  # before Transformers imports the Qwen3.5 modeling module
+    duplicated = weights.duplicated_names(weights.checkpoint_weight_files(path))
+    # Transformers only warns about missing/unexpected tensors (and initialises the missing ones
+    # at random); its loading report is checked here, as the SGLang adapter checks its own.
+    model, info = AutoModelForSequenceClassification.from_pretrained(
+        path, dtype=getattr(torch, dtype), output_loading_info=True, ignore_mismatched_sizes=True)
+    problems = strict_loading_problems(info, duplicated)
+    if problems:
+        try:
+            weights.refuse_if_problems(problems, f" {path}")
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
     model = model.to(device).eval()
     text_cfg = model.config.get_text_config()
     try:
@@ -77,7 +111,8 @@ def load_classifier(path: str | Path, device: str = "auto", dtype: str = "auto")
     except (OSError, ValueError):
         tokenizer = None
     return Classifier(model=model, tokenizer=tokenizer, path=path, device=device, dtype=dtype,
-                      vocab_size=int(text_cfg.vocab_size), pad_token_id=text_cfg.pad_token_id, name=path.name)
+                      vocab_size=int(text_cfg.vocab_size), pad_token_id=text_cfg.pad_token_id, name=path.name,
+                      kernels=kernel_path(model))
 
 
 def score_exact(clf: Classifier, rows: list[list[int]]) -> np.ndarray:

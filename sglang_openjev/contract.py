@@ -23,10 +23,19 @@ LABELS = ("contradiction", "entailment", "neutral")
 # Error types, following the OpenAI-style names SGLang and vLLM use in their error bodies.
 BAD_REQUEST = "invalid_request_error"
 TOO_LARGE = "request_too_large"
+NOT_FOUND = "not_found_error"
 UNAVAILABLE = "service_unavailable"
 INTERNAL = "internal_error"
 
-Tokenize = Callable[[Sequence[str]], list]
+# Bounded work before any parsing (issue 11). The body limit admits the largest id batch the
+# contract allows (512 rows x 8191 ids is ~30 MB of JSON); the text limit counts characters of all
+# texts of one request and is checked before anything is tokenized (8192 tokens at ~4 characters a
+# token, times 32 rows).
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+DEFAULT_MAX_TEXT_CHARS = 1024 * 1024
+
+# tokenize(texts) or tokenize(texts, add_special_tokens=False) -> one id list per text
+Tokenize = Callable[..., list]
 
 
 class ContractError(Exception):
@@ -55,6 +64,19 @@ class Limits:
     # scheduler refuses len >= max_req_input_len, a few tokens under the context length).
     # None: context_length alone bounds the input.
     max_input_tokens: int | None = None
+    max_text_chars: int = DEFAULT_MAX_TEXT_CHARS
+
+    @property
+    def max_tokens(self) -> int:
+        """The longest input accepted, in tokens."""
+        cap = self.context_length - 1
+        return min(cap, self.max_input_tokens) if self.max_input_tokens is not None else cap
+
+
+def check_body_size(n_bytes: int, max_body_bytes: int) -> None:
+    if n_bytes > max_body_bytes:
+        raise ContractError(413, f"request body of {n_bytes} bytes or more is over this server's limit of "
+                                 f"{max_body_bytes} bytes; split the request", TOO_LARGE)
 
 
 def parse_json(raw: bytes) -> Any:
@@ -62,6 +84,9 @@ def parse_json(raw: bytes) -> Any:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ContractError(400, f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ContractError(400, "request body is not valid JSON for this server: nested too deeply "
+                                 "(the parser's recursion limit)") from None
 
 
 def _is_int(x: Any) -> bool:
@@ -108,25 +133,60 @@ def validate_rows(rows: Any, limits: Limits, field: str = "input_ids") -> list[l
     return out
 
 
-def _texts(value: Any, field: str) -> list[str]:
+def _texts(value: Any, field: str, limits: Limits | None = None) -> list[str]:
+    """Check texts before any tokenizing: type, emptiness, total length, encodability."""
     texts = [value] if isinstance(value, str) else value
     if not isinstance(texts, list) or not texts:
         raise ContractError(400, f"'{field}' is empty: send a string or a list of strings")
+    if limits is not None:
+        if len(texts) > limits.max_batch_size:
+            raise ContractError(413, f"batch of {len(texts)} inputs exceeds this server's limit of "
+                                     f"{limits.max_batch_size} per request; split the request", TOO_LARGE)
+        total = sum(len(t) for t in texts if isinstance(t, str))
+        if total > limits.max_text_chars:
+            raise ContractError(413, f"'{field}' holds {total} characters, over this server's limit of "
+                                     f"{limits.max_text_chars} characters per request; split the request or "
+                                     "send token ids", TOO_LARGE)
     for i, t in enumerate(texts):
         if not isinstance(t, str):
             raise ContractError(400, f"item {i} of '{field}' is not a string")
         if not t:
             raise ContractError(400, f"item {i} of '{field}' is an empty string")
+        if t.isspace():
+            raise ContractError(400, f"item {i} of '{field}' is only whitespace")
+        try:
+            t.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ContractError(400, f"item {i} of '{field}' is not valid Unicode text: {exc.reason} at "
+                                     f"character {exc.start} (a lone surrogate escape such as \\ud800)") from None
     return texts
 
 
-def _tokenize(texts: list[str], tokenize: Tokenize | None, limits: Limits, field: str) -> list[list[int]]:
+def _call_tokenize(tokenize: Tokenize, texts: list[str], add_special_tokens: bool) -> list:
+    return tokenize(texts) if add_special_tokens else tokenize(texts, add_special_tokens=False)
+
+
+def tokenize_texts(texts: list[str], tokenize: Tokenize | None, add_special_tokens: bool = True) -> list[list[int]]:
     if tokenize is None:
         raise ContractError(400, "this server has no tokenizer; send token ids in 'input_ids'")
-    if len(texts) > limits.max_batch_size:
-        raise ContractError(413, f"batch of {len(texts)} inputs exceeds this server's limit of "
-                                 f"{limits.max_batch_size} per request; split the request", TOO_LARGE)
-    return validate_rows([list(map(int, ids)) for ids in tokenize(texts)], limits, field)
+    try:
+        out = _call_tokenize(tokenize, texts, add_special_tokens)
+    except (TypeError, ValueError, UnicodeError) as exc:  # the tokenizer refused the text itself
+        raise ContractError(400, f"the tokenizer refused the text: {type(exc).__name__}: {exc}") from None
+    return [list(map(int, ids)) for ids in out]
+
+
+def _tokenize(texts: list[str], tokenize: Tokenize | None, limits: Limits, field: str,
+              add_special_tokens: bool = True, truncate: int | None = None) -> list[list[int]]:
+    rows = tokenize_texts(texts, tokenize, add_special_tokens)
+    if truncate is not None:
+        rows = truncate_rows(rows, truncate)
+    return validate_rows(rows, limits, field)
+
+
+def truncate_rows(rows: list[list[int]], keep: int) -> list[list[int]]:
+    """vLLM's truncate_prompt_tokens: keep the last `keep` tokens of each row."""
+    return [r[-keep:] if len(r) > keep else r for r in rows]
 
 
 def parse_classify(body: Any, limits: Limits, tokenize: Tokenize | None = None) -> list[list[int]]:
@@ -135,10 +195,15 @@ def parse_classify(body: Any, limits: Limits, tokenize: Tokenize | None = None) 
         raise ContractError(400, "request body must be a JSON object with 'input_ids' (or 'text')")
     has_ids, has_text = "input_ids" in body, "text" in body
     if has_ids == has_text:
-        raise ContractError(400, "send exactly one of 'input_ids' or 'text'")
+        raise ContractError(400, "send exactly one of 'input_ids' or 'text' (or vLLM's 'input')")
     if has_ids:
         return validate_rows(body["input_ids"], limits)
-    return _tokenize(_texts(body["text"], "text"), tokenize, limits, "text")
+    return _tokenize(_texts(body["text"], "text", limits), tokenize, limits, "text")
+
+
+def is_vllm_request(body: Any) -> bool:
+    """vLLM's own route is POST /classify with {"model", "input"}: such a body gets vLLM's shape."""
+    return isinstance(body, dict) and "input" in body and "input_ids" not in body and "text" not in body
 
 
 def classify_response(logits: Sequence[Sequence[float]], model: str) -> dict:
@@ -147,23 +212,78 @@ def classify_response(logits: Sequence[Sequence[float]], model: str) -> dict:
 
 
 # ---------------------------------------------------------------- /v1/classify (vLLM / SGLang shape)
-def parse_v1_classify(body: Any, limits: Limits, tokenize: Tokenize | None = None) -> tuple[list[list[int]], bool]:
-    """`POST /v1/classify` body -> (rows, use_activation). `input` is a string, a list of strings,
-    a list of token ids or a list of token-id lists; `use_activation` defaults to true (softmax)."""
+@dataclass
+class V1Request:
+    rows: list[list[int]]
+    use_activation: bool
+    truncate_prompt_tokens: int | None = None  # as the request said (-1 kept as -1)
+    truncated_rows: int = 0
+
+
+def check_model(body: dict, served: str | None) -> None:
+    """vLLM answers 404 for a model it does not serve; no "model" (or null) means the served one."""
+    name = body.get("model")
+    if name is None or served is None:
+        return
+    if name != served:
+        raise ContractError(404, f"The model `{name}` does not exist (this server serves `{served}`).", NOT_FOUND)
+
+
+def _flag(body: dict, key: str) -> bool | None:
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise ContractError(400, f"'{key}' must be true or false")
+    return value
+
+
+def parse_vllm_classify(body: Any, limits: Limits, tokenize: Tokenize | None = None,
+                        served_model: str | None = None) -> V1Request:
+    """vLLM/SGLang classify body -> V1Request. `input` is a string, a list of strings, a list of token
+    ids or a list of token-id lists; softmax unless `use_activation` (or vLLM's deprecated
+    `activation` / `softmax`) is false; `truncate_prompt_tokens` keeps the last k tokens (-1: the
+    server's limit); `add_special_tokens` (default true) applies to text."""
     if not isinstance(body, dict):
         raise ContractError(400, "request body must be a JSON object with 'input'")
     if "input" not in body:
         raise ContractError(400, "missing 'input'")
-    use_activation = body.get("use_activation", True)
-    if use_activation is None:
-        use_activation = True
-    if not isinstance(use_activation, bool):
-        raise ContractError(400, "'use_activation' must be true or false")
+    check_model(body, served_model)
+    use_activation = True
+    for key in ("use_activation", "activation", "softmax"):  # the last two: vLLM's deprecated names
+        value = _flag(body, key)
+        if value is not None:
+            use_activation = use_activation and value
+    add_special = _flag(body, "add_special_tokens")
+    add_special = True if add_special is None else add_special
+    truncate = body.get("truncate_prompt_tokens")
+    keep = None
+    if truncate is not None:
+        if not _is_int(truncate) or truncate == 0 or truncate < -1:
+            raise ContractError(400, f"'truncate_prompt_tokens' must be a positive integer or -1, got {truncate!r}")
+        keep = limits.max_tokens if truncate == -1 else truncate
+        if keep > limits.max_tokens:
+            raise ContractError(400, f"truncate_prompt_tokens value ({truncate}) is greater than the longest input "
+                                     f"this server accepts ({limits.max_tokens} tokens); use -1 for that limit")
     value = body["input"]
     is_text = isinstance(value, str) or (isinstance(value, list) and value and all(isinstance(v, str) for v in value))
     if is_text:
-        return _tokenize(_texts(value, "input"), tokenize, limits, "input"), use_activation
-    return validate_rows(value, limits, field="input"), use_activation
+        texts = _texts(value, "input", limits)
+        full = tokenize_texts(texts, tokenize, add_special)
+    else:
+        if not isinstance(value, list) or not value:
+            raise ContractError(400, "'input' is empty: send a string, a list of strings, token ids or lists of token ids")
+        full = [value] if all(_is_int(x) for x in value) else value
+        if not all(isinstance(r, list) for r in full):
+            raise ContractError(400, "'input' must be a string, a list of strings, a list of token ids or a list "
+                                     "of such lists")
+    rows = truncate_rows(full, keep) if keep is not None else full
+    n_truncated = sum(len(a) != len(b) for a, b in zip(full, rows))
+    return V1Request(validate_rows(rows, limits, field="input"), use_activation, truncate, n_truncated)
+
+
+def parse_v1_classify(body: Any, limits: Limits, tokenize: Tokenize | None = None) -> tuple[list[list[int]], bool]:
+    """`POST /v1/classify` body -> (rows, use_activation) (see parse_vllm_classify)."""
+    req = parse_vllm_classify(body, limits, tokenize)
+    return req.rows, req.use_activation
 
 
 def softmax(row: Sequence[float]) -> list[float]:
@@ -174,7 +294,7 @@ def softmax(row: Sequence[float]) -> list[float]:
 
 
 def v1_classify_response(logits: Sequence[Sequence[float]], rows: Sequence[Sequence[int]], model: str,
-                         use_activation: bool, labels: Sequence[str] = LABELS) -> dict:
+                         use_activation: bool, labels: Sequence[str] = LABELS, request: V1Request | None = None) -> dict:
     data = []
     for i, row in enumerate(logits):
         row = [float(x) for x in row]
@@ -182,15 +302,58 @@ def v1_classify_response(logits: Sequence[Sequence[float]], rows: Sequence[Seque
         data.append({"index": i, "label": labels[best], "probs": softmax(row) if use_activation else row,
                      "num_classes": len(row)})
     n_tokens = sum(len(r) for r in rows)
+    usage = {"prompt_tokens": n_tokens, "total_tokens": n_tokens, "completion_tokens": 0,
+             "prompt_tokens_details": None}
+    if request is not None and request.truncate_prompt_tokens is not None:
+        usage["truncate_prompt_tokens"] = request.truncate_prompt_tokens
+        usage["truncated_inputs"] = request.truncated_rows
     return {
         "id": f"classify-{uuid.uuid4().hex}",
         "object": "list",
         "created": int(time.time()),
         "model": model,
         "data": data,
-        "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens, "completion_tokens": 0,
-                  "prompt_tokens_details": None},
+        "usage": usage,
     }
+
+
+# ---------------------------------------------------------------- /tokenize, /detokenize (vLLM shapes)
+def parse_tokenize(body: Any, limits: Limits, served_model: str | None = None) -> tuple[str, bool, bool]:
+    """vLLM's TokenizeCompletionRequest {model, prompt, add_special_tokens, return_token_strs}."""
+    if not isinstance(body, dict):
+        raise ContractError(400, "request body must be a JSON object with 'prompt'")
+    check_model(body, served_model)
+    if "messages" in body:
+        raise ContractError(400, "chat-style tokenize ('messages') is not served here: this model has no chat "
+                                 "template; send 'prompt'")
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise ContractError(400, "'prompt' must be a string")
+    if len(prompt) > limits.max_text_chars:
+        raise ContractError(413, f"'prompt' holds {len(prompt)} characters, over this server's limit of "
+                                 f"{limits.max_text_chars}", TOO_LARGE)
+    if prompt:
+        _texts(prompt, "prompt")  # encodability (whitespace-only is refused as everywhere)
+    add_special = _flag(body, "add_special_tokens")
+    return prompt, True if add_special is None else add_special, bool(_flag(body, "return_token_strs"))
+
+
+def tokenize_response(tokens: list[int], max_model_len: int, token_strs: list[str] | None = None) -> dict:
+    return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens, "token_strs": token_strs}
+
+
+def parse_detokenize(body: Any, limits: Limits, served_model: str | None = None) -> list[int]:
+    """vLLM's DetokenizeRequest {model, tokens}."""
+    if not isinstance(body, dict):
+        raise ContractError(400, "request body must be a JSON object with 'tokens'")
+    check_model(body, served_model)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
+        raise ContractError(400, "'tokens' must be a list of integer token ids")
+    for p, tok in enumerate(tokens):
+        if tok < 0 or tok >= limits.vocab_size:
+            raise ContractError(400, f"position {p}: token id {tok} is out of vocabulary (vocab size {limits.vocab_size})")
+    return tokens
 
 
 # ---------------------------------------------------------------- label order of a checkpoint

@@ -20,10 +20,14 @@ the package, and CI tests the wiring without sglang); `SGLangRuntime` binds to S
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import json
 import logging
 import math
 import os
+import traceback
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -36,6 +40,8 @@ from sglang_openjev import contract, provenance
 logger = logging.getLogger(__name__)
 
 MAX_BATCH_ENV = "OPENJEV_MAX_BATCH_SIZE"
+MAX_BODY_ENV = "OPENJEV_MAX_BODY_BYTES"
+MAX_TEXT_ENV = "OPENJEV_MAX_TEXT_CHARS"
 ARCH_PROFILE_ENV = "OPENJEV_ARCH_PROFILE"
 BUNDLE_REVISION_ENV = "OPENJEV_BUNDLE_REVISION"
 DEFAULT_MAX_BATCH_SIZE = 512
@@ -52,17 +58,29 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
 
 # ---------------------------------------------------------------- settings
-def max_batch_size(environ: Mapping[str, str] = os.environ) -> int:
-    raw = environ.get(MAX_BATCH_ENV, "").strip()
+def _positive_env(environ: Mapping[str, str], name: str, default: int) -> int:
+    raw = environ.get(name, "").strip()
     if not raw:
-        return DEFAULT_MAX_BATCH_SIZE
+        return default
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"{MAX_BATCH_ENV} must be a positive integer, got {raw!r}") from None
+        raise ValueError(f"{name} must be a positive integer, got {raw!r}") from None
     if value < 1:
-        raise ValueError(f"{MAX_BATCH_ENV} must be a positive integer, got {value}")
+        raise ValueError(f"{name} must be a positive integer, got {value}")
     return value
+
+
+def max_batch_size(environ: Mapping[str, str] = os.environ) -> int:
+    return _positive_env(environ, MAX_BATCH_ENV, DEFAULT_MAX_BATCH_SIZE)
+
+
+def max_body_bytes(environ: Mapping[str, str] = os.environ) -> int:
+    return _positive_env(environ, MAX_BODY_ENV, contract.DEFAULT_MAX_BODY_BYTES)
+
+
+def max_text_chars(environ: Mapping[str, str] = os.environ) -> int:
+    return _positive_env(environ, MAX_TEXT_ENV, contract.DEFAULT_MAX_TEXT_CHARS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,7 +96,8 @@ def bundle_revision(environ: Mapping[str, str] = os.environ) -> dict:
     return dict(bundle_git_revision())
 
 
-def input_limits(tokenizer_manager: Any, scheduler_info: Mapping[str, Any], batch_limit: int) -> contract.Limits:
+def input_limits(tokenizer_manager: Any, scheduler_info: Mapping[str, Any], batch_limit: int,
+                 text_limit: int = contract.DEFAULT_MAX_TEXT_CHARS) -> contract.Limits:
     """The contract's limits from SGLang's runtime values.
 
     The tokenizer manager refuses len + reserved >= context_len; the scheduler then refuses
@@ -98,6 +117,7 @@ def input_limits(tokenizer_manager: Any, scheduler_info: Mapping[str, Any], batc
         context_length=context_len,
         max_batch_size=batch_limit,
         max_input_tokens=max_input if max_input < context_len - 1 else None,
+        max_text_chars=text_limit,
     )
 
 
@@ -147,6 +167,9 @@ def adapter_server_info(tokenizer_manager: Any, limits: contract.Limits, counter
     )
     info.update(
         arch_profile=environ.get(ARCH_PROFILE_ENV),
+        # set by launch_server.adapt_to_runtime: the installed SGLang and what was adapted to it
+        sglang_runtime=environ.get("OPENJEV_SGLANG_RUNTIME"),
+        launch_adaptations=_json_list(environ.get("OPENJEV_LAUNCH_ADAPTATIONS")),
         flush_cache_failures=counters.flush_cache_failures,
         max_batch_size=limits.max_batch_size,
         max_input_tokens=limits.max_input_tokens or limits.context_length - 1,
@@ -159,6 +182,14 @@ def adapter_server_info(tokenizer_manager: Any, limits: contract.Limits, counter
         adapter="sglang_openjev",
     )
     return info
+
+
+def _json_list(raw: Optional[str]) -> list:
+    try:
+        value = json.loads(raw) if raw else []
+    except ValueError:
+        return [raw]
+    return value if isinstance(value, list) else [value]
 
 
 # ---------------------------------------------------------------- SGLang binding
@@ -207,8 +238,10 @@ class SGLangRuntime:
         if tok is None:  # --skip-tokenizer-init
             return None
 
-        def tokenize(texts: Sequence[str]) -> list:
-            return list(tok(list(texts))["input_ids"])
+        def tokenize(texts: Sequence[str], add_special_tokens: bool = True) -> list:
+            if add_special_tokens:  # the tokenizer's default, as SGLang calls it
+                return list(tok(list(texts))["input_ids"])
+            return list(tok(list(texts), add_special_tokens=False)["input_ids"])
 
         return tokenize
 
@@ -242,6 +275,49 @@ def _error(exc: contract.ContractError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
+def _internal_error(exc: BaseException, path: str) -> JSONResponse:
+    """The catch-all: an unexpected exception is the contract's 500 with a request id (traceback logged)."""
+    rid = uuid.uuid4().hex[:16]
+    logger.error("request %s %s failed: %s\n%s", rid, path, exc, traceback.format_exc())
+    body = contract.error_body(f"internal error ({type(exc).__name__}); request id {rid}", contract.INTERNAL, 500)
+    body["error"]["request_id"] = rid
+    return JSONResponse(body, status_code=500, headers={"X-Request-Id": rid})
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 once it passes `limit` bytes (the Content-Length header first)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit():
+        contract.check_body_size(int(declared), limit)
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > limit:
+            contract.check_body_size(len(buf), limit)
+    return bytes(buf)
+
+
+def _find_route(app: FastAPI, path: str) -> list:
+    return [r for r in app.router.routes if getattr(r, "path", None) == path]
+
+
+def adopt_route_traits(app: FastAPI, path: str, endpoint: Callable, methods: Sequence[str]) -> list[str]:
+    """Make our endpoint for `path` carry what SGLang's own one had: its methods (SGLang's /classify
+    takes PUT as well as POST) and the attributes its decorators set on the function, such as the
+    auth level SGLang's API-key middleware reads (its /flush_cache needs the admin key when
+    --admin-api-key is set). Returns the union of methods."""
+    union = list(methods)
+    for route in _find_route(app, path):
+        for m in sorted(getattr(route, "methods", None) or ()):
+            if m not in union and m != "HEAD":
+                union.append(m)
+        original = getattr(route, "endpoint", None)
+        for key, value in (getattr(original, "__dict__", None) or {}).items():
+            if not key.startswith("__") and key not in ("__wrapped__",):
+                setattr(endpoint, key, value)
+    return union
+
+
 def _find_endpoint(app: FastAPI, path: str, method: str) -> Optional[Callable]:
     for route in app.router.routes:
         if getattr(route, "path", None) == path and method in (getattr(route, "methods", None) or ()):
@@ -266,36 +342,48 @@ def install_routes(app: FastAPI, runtime: Optional[SGLangRuntime] = None,
     """Serve the contract's routes on `app` (SGLang's FastAPI app unless a test passes its own)."""
     runtime = runtime or SGLangRuntime.from_sglang()
     batch_limit = max_batch_size(environ)
+    body_limit = max_body_bytes(environ)
+    text_limit = max_text_chars(environ)
     counters = Counters()
     sglang_server_info = _find_endpoint(app, "/server_info", "GET")
-    removed = remove_routes(app, list(ADAPTER_ROUTES))
-    if removed:
-        logger.info("sglang_openjev replaces SGLang routes: %s", "; ".join(removed))
 
     def model_name(tm: Any) -> str:
         return str(getattr(tm, "served_model_name", None) or tm.server_args.model_path)
 
+    async def body_json(request: Request) -> Any:
+        raw = await read_body(request, body_limit)
+        return await asyncio.to_thread(contract.parse_json, raw)  # off the event loop
+
+    async def vllm(request: Request, tm: Any, limits: contract.Limits, body: Any) -> JSONResponse:
+        req = await asyncio.to_thread(contract.parse_vllm_classify, body, limits, runtime.tokenizer(tm), model_name(tm))
+        logits = await runtime.logits(tm, req.rows, request)
+        return JSONResponse(contract.v1_classify_response(logits, req.rows, model_name(tm), req.use_activation,
+                                                          request=req))
+
     async def classify(request: Request) -> JSONResponse:
         try:
             tm, sched = runtime.ready()
-            limits = input_limits(tm, sched, batch_limit)
-            body = contract.parse_json(await request.body())
-            rows = contract.parse_classify(body, limits, runtime.tokenizer(tm))
+            limits = input_limits(tm, sched, batch_limit, text_limit)
+            body = await body_json(request)
+            if contract.is_vllm_request(body):  # vLLM's own route is POST /classify {"model", "input"}
+                return await vllm(request, tm, limits, body)
+            rows = await asyncio.to_thread(contract.parse_classify, body, limits, runtime.tokenizer(tm))
             logits = await runtime.logits(tm, rows, request)
         except contract.ContractError as exc:
             return _error(exc)
+        except Exception as exc:  # noqa: BLE001 - catch-all, JSON with a request id
+            return _internal_error(exc, "/classify")
         return JSONResponse(contract.classify_response(logits, model_name(tm)))
 
     async def v1_classify(request: Request) -> JSONResponse:
         try:
             tm, sched = runtime.ready()
-            limits = input_limits(tm, sched, batch_limit)
-            body = contract.parse_json(await request.body())
-            rows, use_activation = contract.parse_v1_classify(body, limits, runtime.tokenizer(tm))
-            logits = await runtime.logits(tm, rows, request)
+            limits = input_limits(tm, sched, batch_limit, text_limit)
+            return await vllm(request, tm, limits, await body_json(request))
         except contract.ContractError as exc:
             return _error(exc)
-        return JSONResponse(contract.v1_classify_response(logits, rows, model_name(tm), use_activation))
+        except Exception as exc:  # noqa: BLE001
+            return _internal_error(exc, "/v1/classify")
 
     async def flush_cache(request: Request) -> JSONResponse:
         try:
@@ -334,10 +422,14 @@ def install_routes(app: FastAPI, runtime: Optional[SGLangRuntime] = None,
         ours = adapter_server_info(tm, limits, counters, environ)
         return JSONResponse(_jsonable({**base, **ours}))
 
-    app.add_api_route("/classify", classify, methods=list(ADAPTER_ROUTES["/classify"]))
-    app.add_api_route("/v1/classify", v1_classify, methods=list(ADAPTER_ROUTES["/v1/classify"]))
-    app.add_api_route("/flush_cache", flush_cache, methods=list(ADAPTER_ROUTES["/flush_cache"]))
-    app.add_api_route("/server_info", server_info, methods=list(ADAPTER_ROUTES["/server_info"]))
+    endpoints = {"/classify": classify, "/v1/classify": v1_classify, "/flush_cache": flush_cache,
+                 "/server_info": server_info}
+    methods = {path: adopt_route_traits(app, path, fn, ADAPTER_ROUTES[path]) for path, fn in endpoints.items()}
+    removed = remove_routes(app, list(ADAPTER_ROUTES))
+    if removed:
+        logger.info("sglang_openjev replaces SGLang routes: %s", "; ".join(removed))
+    for path, fn in endpoints.items():
+        app.add_api_route(path, fn, methods=methods[path])
     return counters
 
 

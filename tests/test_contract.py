@@ -210,3 +210,90 @@ def test_server_info_requires_every_key():
     fields.pop("flush_cache_calls")
     with pytest.raises(KeyError, match="flush_cache_calls"):
         contract.server_info(**fields)
+
+
+# ---------------------------------------------------------------- issue 11: bounded work, vLLM shapes
+def tokenize_kw(texts, add_special_tokens=True):
+    return [([99] if add_special_tokens else []) + [ord(c) % 90 for c in t] for t in texts]
+
+
+def test_deep_json_is_a_400_not_a_recursion_error():
+    err = refused(contract.parse_json, b"[" * 100_000 + b"]" * 100_000)
+    assert err.status == 400 and "nested too deeply" in err.message
+
+
+def test_text_limits_are_checked_before_the_tokenizer_runs():
+    calls = []
+
+    def counting(texts, add_special_tokens=True):
+        calls.append(texts)
+        return tokenize_kw(texts, add_special_tokens)
+
+    limits = Limits(vocab_size=100, context_length=16, max_batch_size=4, max_text_chars=10)
+    err = refused(contract.parse_classify, {"text": "x" * 11}, limits, counting)
+    assert err.status == 413 and err.type == contract.TOO_LARGE and "10 characters" in err.message
+    err = refused(contract.parse_classify, {"text": ["abcdef", "ghijk"]}, limits, counting)  # 11 in total
+    assert err.status == 413
+    for bad, words in (("\ud800", "surrogate"), (" \n\t", "whitespace"), ("", "empty")):
+        err = refused(contract.parse_classify, {"text": ["ok", bad]}, limits, counting)
+        assert err.status == 400 and words in err.message and "item 1" in err.message
+    assert calls == []  # nothing reached the tokenizer
+    refused(contract.check_body_size, 101, 100)
+    contract.check_body_size(100, 100)
+
+
+def test_tokenizer_exceptions_become_400():
+    def broken(texts):
+        raise TypeError("TextEncodeInput must be Union[...]")
+
+    err = refused(contract.parse_classify, {"text": "abc"}, LIMITS, broken)
+    assert err.status == 400 and "tokenizer refused" in err.message
+
+
+def test_vllm_request_detection():
+    assert contract.is_vllm_request({"model": "m", "input": [[1]]})
+    assert not contract.is_vllm_request({"input_ids": [[1]]}) and not contract.is_vllm_request({"text": "x"})
+    assert not contract.is_vllm_request({"input": [[1]], "input_ids": [[1]]}) and not contract.is_vllm_request([1])
+
+
+def test_vllm_activation_flags_and_model():
+    parse = contract.parse_vllm_classify
+    assert parse({"input": [[1, 2]]}, LIMITS, served_model="m").use_activation is True
+    for key in ("use_activation", "activation", "softmax"):
+        assert parse({"input": [[1, 2]], key: False}, LIMITS).use_activation is False
+        assert refused(parse, {"input": [[1]], key: "no"}, LIMITS).status == 400
+    assert parse({"model": "m", "input": [[1]]}, LIMITS, served_model="m").rows == [[1]]
+    assert parse({"model": None, "input": [[1]]}, LIMITS, served_model="m").rows == [[1]]
+    err = refused(parse, {"model": "other", "input": [[1]]}, LIMITS, None, "m")
+    assert err.status == 404 and err.type == contract.NOT_FOUND and "other" in err.message
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens_and_is_reported():
+    parse = contract.parse_vllm_classify
+    req = parse({"input": [[1, 2, 3, 4], [5]], "truncate_prompt_tokens": 2}, LIMITS)
+    assert req.rows == [[3, 4], [5]] and req.truncated_rows == 1 and req.truncate_prompt_tokens == 2
+    body = contract.v1_classify_response([[0.0, 1.0, 2.0]] * 2, req.rows, "m", True, request=req)
+    assert body["usage"]["prompt_tokens"] == 3 and body["usage"]["truncate_prompt_tokens"] == 2
+    assert body["usage"]["truncated_inputs"] == 1
+    long = parse({"input": [[1] * 30], "truncate_prompt_tokens": -1}, LIMITS)  # -1: the server's limit (15)
+    assert long.rows == [[1] * 15]
+    for bad in (0, -2, 1.5, "3", 16):
+        assert refused(parse, {"input": [[1]], "truncate_prompt_tokens": bad}, LIMITS).status == 400
+    assert refused(parse, {"input": [[1] * 16]}, LIMITS).status == 400  # no truncation unless asked
+    text = parse({"input": "abcd", "truncate_prompt_tokens": 2, "add_special_tokens": False}, LIMITS, tokenize_kw)
+    assert text.rows == [[ord("c") % 90, ord("d") % 90]]
+    assert parse({"input": ["ab"]}, LIMITS, tokenize_kw).rows == [[99, ord("a") % 90, ord("b") % 90]]
+
+
+def test_tokenize_and_detokenize_requests():
+    limits = Limits(vocab_size=100, context_length=16, max_batch_size=4, max_text_chars=5)
+    assert contract.parse_tokenize({"model": "m", "prompt": "abc"}, limits, "m") == ("abc", True, False)
+    assert contract.parse_tokenize({"prompt": "abc", "add_special_tokens": False, "return_token_strs": True},
+                                   limits) == ("abc", False, True)
+    assert refused(contract.parse_tokenize, {"prompt": "abcdef"}, limits).status == 413
+    assert refused(contract.parse_tokenize, {"model": "x", "prompt": "a"}, limits, "m").status == 404
+    assert refused(contract.parse_tokenize, {"messages": []}, limits).status == 400
+    assert contract.tokenize_response([1, 2], 16) == {"count": 2, "max_model_len": 16, "tokens": [1, 2], "token_strs": None}
+    assert contract.parse_detokenize({"tokens": [1, 99]}, limits) == [1, 99]
+    assert refused(contract.parse_detokenize, {"tokens": [100]}, limits).status == 400
+    assert refused(contract.parse_detokenize, {"tokens": "12"}, limits).status == 400

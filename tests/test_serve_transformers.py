@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import requests
 
+import strict_loading_cases
 from conftest import error_lines, free_port, run_script, start_server, token_rows, wait_healthy
 
 LABELS = ["contradiction", "entailment", "neutral"]
@@ -114,7 +115,8 @@ def test_text_input_uses_the_tokenizer(server, overlay):
 def test_v1_classify_shape_softmax_and_raw(server, sample_tokens, reference):
     _, rows = token_rows(sample_tokens)
     ref = np.load(reference / "reference.npy")
-    body = requests.post(f"{server.url}/v1/classify", json={"model": "m", "input": rows[:3]}).json()
+    model = requests.get(f"{server.url}/v1/models").json()["data"][0]["id"]  # vLLM: another name is 404
+    body = requests.post(f"{server.url}/v1/classify", json={"model": model, "input": rows[:3]}).json()
     assert body["object"] == "list" and body["id"].startswith("classify-")
     assert [d["index"] for d in body["data"]] == [0, 1, 2]
     for d, r in zip(body["data"], ref[:3]):
@@ -123,9 +125,9 @@ def test_v1_classify_shape_softmax_and_raw(server, sample_tokens, reference):
         assert np.allclose(d["probs"], e / e.sum(), rtol=0, atol=1e-7)
         assert math.isclose(sum(d["probs"]), 1.0, abs_tol=1e-9)
     assert body["usage"]["prompt_tokens"] == sum(len(r) for r in rows[:3])
-    raw = requests.post(f"{server.url}/v1/classify", json={"model": "m", "input": rows[:3], "use_activation": False}).json()
+    raw = requests.post(f"{server.url}/v1/classify", json={"model": model, "input": rows[:3], "use_activation": False}).json()
     assert np.array_equal(np.asarray([d["probs"] for d in raw["data"]], dtype=np.float32), ref[:3])
-    bad = requests.post(f"{server.url}/v1/classify", json={"model": "m", "input": [[1, 99999]]})
+    bad = requests.post(f"{server.url}/v1/classify", json={"model": model, "input": [[1, 99999]]})
     assert bad.status_code == 400 and "out of vocabulary" in bad.json()["error"]["message"]
 
 
@@ -211,3 +213,55 @@ def test_sigterm_stops_gracefully(overlay, tmp_path):
     assert srv.stop(signal.SIGTERM) in (0, -signal.SIGTERM)
     log = srv.log.read_text()
     assert "Shutting down" in log and "Finished server process" in log
+
+
+# ---------------------------------------------------------------- strict loading (issue 10)
+@pytest.mark.parametrize("case", strict_loading_cases.CASES)
+def test_embedded_loader_refuses_the_corrupted_checkpoints(tiny_model, tmp_path, case):
+    """The five checkpoints SGLang's loader refuses (tests/test_sglang_openjev.py) are refused here
+    too, with the same words; Transformers alone would warn and initialise at random."""
+    from _classifier import load_classifier
+    from _common import UserError
+
+    expect = strict_loading_cases.write_case(tiny_model["checkpoint"], tmp_path / case, case)
+    with pytest.raises(UserError) as err:
+        load_classifier(tmp_path / case, "cpu")
+    assert str(err.value).startswith(f"refusing the checkpoint {tmp_path / case}: ")
+    for fragment in expect:
+        assert fragment in str(err.value)
+
+
+def test_documented_ignored_tensors_still_load(tiny_model, tmp_path):
+    import shutil
+
+    import torch
+    from _classifier import load_classifier
+    from safetensors.torch import load_file, save_file
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_model["checkpoint"], ckpt)
+    state = load_file(str(ckpt / "model.safetensors"))
+    hidden = state["score.weight"].shape[1]
+    state.update({"lm_head.weight": torch.zeros(8, hidden), "mtp.fc.weight": torch.zeros(2, 2)})
+    save_file(state, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    assert load_classifier(ckpt, "cpu").model.score.weight.shape[1] == hidden
+
+
+def test_server_with_a_corrupted_checkpoint_never_reports_healthy(tiny_model, tmp_path):
+    expect = strict_loading_cases.write_case(tiny_model["checkpoint"], tmp_path / "deleted", "deleted")
+    srv = start_server(tmp_path / "deleted", tmp_path / "log", wait=False)
+    statuses = []
+    try:
+        deadline = time.monotonic() + 120
+        while srv.proc.poll() is None and time.monotonic() < deadline:
+            try:
+                statuses.append(requests.get(f"{srv.url}/health", timeout=2).status_code)
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.05)
+    finally:
+        code = srv.stop()
+    log = srv.log.read_text()
+    assert code == 1 and 200 not in statuses and set(statuses) <= {503}, (code, statuses, log[-2000:])
+    lines = error_lines(log)
+    assert len(lines) == 1 and "model failed to load" in lines[0] and expect[0] in lines[0], log[-2000:]

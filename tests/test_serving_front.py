@@ -1,0 +1,421 @@
+"""Issue 11 over real HTTP on 127.0.0.1: no request freezes or crashes the embedded server, vLLM
+clients work unchanged, Prometheus metrics.
+
+Each test reproduces a case measured against the old server (issue 11's list) and checks the
+outcome, not the speed: "/health answered while ..." is an answer within a 2 s client timeout (the
+old server was frozen for 20 s), "the small request is not held behind the big one" is completion
+order. Speed figures live in benchmarks/results_cpu/serving_front_cpu.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import requests
+
+from conftest import APP, REPO, start_server, token_rows
+
+LABELS = ["contradiction", "entailment", "neutral"]
+LONG = 8191  # the longest input at the default 8192 context
+
+
+def post(url, path, body, timeout=60, raw=False):
+    data = body if raw else json.dumps(body)
+    return requests.post(f"{url}{path}", data=data, headers={"Content-Type": "application/json"}, timeout=timeout)
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """Sum of the samples of `name` whose labels include `labels` (Prometheus text format)."""
+    total, found = 0.0, False
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        m = re.match(r"^([a-zA-Z_:][\w:]*)(\{(.*)\})? (\S+)$", line)
+        if not m or m.group(1) != name:
+            continue
+        got = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(3) or ""))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total += float(m.group(4))
+            found = True
+    assert found, f"no sample {name}{labels} in /metrics"
+    return total
+
+
+def health_while(url: str, busy: threading.Thread, limit: float = 2.0) -> list[tuple[int, float]]:
+    """Poll /health while `busy` runs; every answer must come within `limit` s (else the
+    requests timeout fails the test: the server is frozen)."""
+    out = []
+    while busy.is_alive():
+        t0 = time.perf_counter()
+        r = requests.get(f"{url}/health", timeout=limit)
+        out.append((r.status_code, time.perf_counter() - t0))
+        time.sleep(0.05)
+    return out
+
+
+@pytest.fixture(scope="module")
+def front(overlay, tmp_path_factory):
+    srv = start_server(overlay, tmp_path_factory.mktemp("front") / "server.log")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def model_name(front):
+    return requests.get(f"{front.url}/v1/models").json()["data"][0]["id"]
+
+
+# ---------------------------------------------------------------- bounded work before parsing
+def test_20mb_text_is_413_fast_health_answers_and_memory_returns(front):
+    proc = psutil.Process(front.proc.pid)
+    for _ in range(3):  # settle the allocator with a few ordinary text requests
+        assert post(front.url, "/classify", {"text": ["a cat sleeps"] * 4}).status_code == 200
+    base = proc.memory_info().rss
+    result = {}
+
+    def big():
+        result["r"] = post(front.url, "/classify", {"text": "x" * (20 * 1024 * 1024)}, timeout=120)
+
+    t = threading.Thread(target=big)
+    t.start()
+    answers = health_while(front.url, t)
+    t.join()
+    r = result["r"]
+    assert r.status_code == 413, r.text[:300]
+    err = r.json()["error"]
+    assert err["code"] == 413 and err["type"] == "request_too_large" and "1048576" in err["message"]
+    assert all(status == 200 for status, _ in answers), answers
+    time.sleep(0.5)
+    after = proc.memory_info().rss
+    assert after <= base * 1.10, f"RSS {base / 2**20:.0f} MiB before, {after / 2**20:.0f} MiB after a 20 MB body"
+
+
+def test_body_over_the_byte_limit_is_413_before_reading(overlay, tmp_path):
+    srv = start_server(overlay, tmp_path / "log", "--max-body-bytes", "1000")
+    try:
+        r = post(srv.url, "/classify", {"input_ids": [[1] * 400]})
+        assert r.status_code == 413 and "1000 bytes" in r.json()["error"]["message"]
+        assert post(srv.url, "/classify", {"input_ids": [[1] * 10]}).status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_100_texts_of_200kb_are_413_and_health_answers(front):
+    result = {}
+
+    def big():
+        result["r"] = post(front.url, "/classify", {"text": ["y" * 200_000] * 100}, timeout=120)
+
+    t = threading.Thread(target=big)
+    t.start()
+    answers = health_while(front.url, t)
+    t.join()
+    assert result["r"].status_code == 413 and "characters" in result["r"].json()["error"]["message"]
+    assert all(status == 200 for status, _ in answers)
+
+
+# ---------------------------------------------------------------- every failure is a JSON error body
+def test_deep_json_and_lone_surrogate_are_json_400s_counted_by_type(front):
+    before = requests.get(f"{front.url}/metrics").text
+    deep = post(front.url, "/classify", b"[" * 100_000 + b"]" * 100_000, raw=True)
+    assert deep.status_code == 400 and "nested too deeply" in deep.json()["error"]["message"]
+    lone = post(front.url, "/classify", b'{"text": "\\ud800"}', raw=True)
+    assert lone.status_code == 400 and "surrogate" in lone.json()["error"]["message"]
+    lone_v1 = post(front.url, "/v1/classify", b'{"input": ["ok", "\\udfff x"]}', raw=True)
+    assert lone_v1.status_code == 400 and lone_v1.json()["error"]["type"] == "invalid_request_error"
+    after = requests.get(f"{front.url}/metrics").text
+    assert (metric(after, "openjev_errors_total", type="invalid_request_error")
+            - metric(before, "openjev_errors_total", type="invalid_request_error")) == 3
+    assert metric(after, "openjev_http_requests_total", route="/classify", status="400") >= 2
+    unknown = requests.get(f"{front.url}/no/such/route")
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == 404
+
+
+def test_unexpected_exception_is_a_json_500_with_request_id(overlay, tmp_path):
+    """A server whose engine is broken (ready, but no model): the handler's AttributeError becomes
+    the contract's 500 with a request id, the traceback goes to the log, the error is counted."""
+    import logging
+
+    import uvicorn
+
+    sys.path.insert(0, str(APP))
+    import serve_transformers as st
+
+    args = st.build_parser().parse_args([str(overlay), "0"])
+    engine = st.Engine(args, state="ready")  # no model loaded: every scoring call fails unexpectedly
+    app = st.create_app(engine)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    st.log.addHandler(handler)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                requests.get(f"{url}/metrics", timeout=1)
+                break
+            except requests.ConnectionError:
+                time.sleep(0.05)
+        r = post(url, "/classify", {"input_ids": [[1, 2]]})
+        assert r.status_code == 500, r.text
+        err = r.json()["error"]
+        assert err["type"] == "internal_error" and err["request_id"] in err["message"]
+        assert r.headers["X-Request-Id"] == err["request_id"]
+        text = requests.get(f"{url}/metrics").text
+        assert metric(text, "openjev_errors_total", type="internal_error:AttributeError") == 1
+        assert metric(text, "openjev_http_requests_total", route="/classify", status="500") == 1
+        assert any(err["request_id"] in r.getMessage() and "Traceback" in r.getMessage() for r in records)
+    finally:
+        st.log.removeHandler(handler)
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+# ---------------------------------------------------------------- scheduling, cancellation, watchdog
+def test_client_disconnect_cancels_queued_rows(front):
+    before = requests.get(f"{front.url}/server_info").json()["counters"]
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        post(front.url, "/classify", {"input_ids": [[7] * LONG] * 40}, timeout=1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        info = requests.get(f"{front.url}/server_info").json()
+        if info["counters"]["requests_cancelled"] > before["requests_cancelled"] and info["queue"]["rows"] == 0:
+            break
+        time.sleep(0.1)
+    c = info["counters"]
+    assert c["requests_cancelled"] == before["requests_cancelled"] + 1
+    assert c["rows_cancelled"] - before["rows_cancelled"] >= 20, c  # most of the 40 rows never ran
+    assert info["queue"] == {"requests": 0, "rows": 0}
+    r = post(front.url, "/classify", {"input_ids": [[3, 4, 5]]})
+    assert r.status_code == 200
+
+
+def test_small_request_is_not_held_behind_a_big_one(front):
+    done = []
+
+    def big():
+        r = post(front.url, "/classify", {"input_ids": [[9] * LONG] * 12}, timeout=300)
+        done.append(("big", r.status_code))
+
+    t = threading.Thread(target=big)
+    t.start()
+    time.sleep(0.5)
+    r = post(front.url, "/classify", {"input_ids": [[1, 2, 3]]}, timeout=300)
+    done.append(("small", r.status_code))
+    t.join()
+    assert done == [("small", 200), ("big", 200)], done
+    info = requests.get(f"{front.url}/server_info").json()
+    assert info["step_token_budget"] == 16384 and info["scheduler"]["step_token_budget"] == 16384
+
+
+def test_split_request_logits_equal_the_reference(front, sample_tokens, reference):
+    """Rows of one request split over steps and regrouped by length come back bitwise, in order."""
+    _, rows = token_rows(sample_tokens)
+    ref = np.load(reference / "reference.npy")
+    srv_rows = rows[::-1]
+    got = np.asarray(post(front.url, "/classify", {"input_ids": srv_rows}).json()["logits"], dtype=np.float32)
+    assert np.array_equal(got, ref[::-1])
+
+
+def test_watchdog_turns_health_unhealthy_while_no_progress(overlay, tmp_path):
+    srv = start_server(overlay, tmp_path / "log", "--watchdog-seconds", "1", "--step-token-budget", "1000000")
+    try:
+        result = {}
+
+        def maximal():  # one step of 10 rows x 8191 tokens: no progress for several seconds
+            result["r"] = post(srv.url, "/classify", {"input_ids": [[5] * LONG] * 10}, timeout=300)
+
+        t = threading.Thread(target=maximal)
+        t.start()
+        answers = health_while(srv.url, t)
+        t.join()
+        assert result["r"].status_code == 200
+        statuses = [s for s, _ in answers]
+        assert 503 in statuses, statuses
+        r = requests.get(f"{srv.url}/health", timeout=2)
+        assert r.status_code == 200
+        assert statuses[0] == 200 and statuses.index(503) > 0  # healthy first, unhealthy once stalled
+    finally:
+        srv.stop()
+
+
+def test_torch_threads_from_cores_and_overridable(front, overlay, tmp_path):
+    info = requests.get(f"{front.url}/server_info").json()
+    cores = len(os.sched_getaffinity(0))
+    assert info["threads"]["cores"] == cores and info["threads"]["torch_intra_op"] == max(1, cores - 1)
+    srv = start_server(overlay, tmp_path / "log", env={"OPENJEV_TORCH_THREADS": "2"})
+    try:
+        assert requests.get(f"{srv.url}/server_info").json()["threads"]["torch_intra_op"] == 2
+    finally:
+        srv.stop()
+
+
+# ---------------------------------------------------------------- vLLM / SGLang compatibility
+class VLLMClassifyClient:
+    """A client written to vLLM's documented OpenAI-compatible pooling API shapes:
+    ClassificationRequest {model, input, truncate_prompt_tokens?, use_activation?} ->
+    ClassificationResponse {id, object: "list", created, model, data: [{index, label, probs,
+    num_classes}], usage: {prompt_tokens, total_tokens, completion_tokens, prompt_tokens_details}};
+    TokenizeRequest {model, prompt, add_special_tokens, return_token_strs} -> {count, max_model_len,
+    tokens, token_strs}; DetokenizeRequest {model, tokens} -> {prompt}."""
+
+    def __init__(self, base: str, route: str, model: str):
+        self.base, self.route, self.model = base, route, model
+
+    def _post(self, path, payload):
+        r = requests.post(self.base + path, json=payload, timeout=60)
+        r.raise_for_status()
+        return r.json()
+
+    def classify(self, inputs, **extra):
+        out = self._post(self.route, {"model": self.model, "input": inputs, **extra})
+        assert set(out) >= {"id", "object", "created", "model", "data", "usage"}
+        assert out["object"] == "list" and out["model"] == self.model and isinstance(out["created"], int)
+        for i, d in enumerate(out["data"]):
+            assert set(d) == {"index", "label", "probs", "num_classes"} and d["index"] == i
+        assert set(out["usage"]) >= {"prompt_tokens", "total_tokens", "completion_tokens", "prompt_tokens_details"}
+        return out
+
+    def tokenize(self, prompt, add_special_tokens=True, return_token_strs=False):
+        out = self._post("/tokenize", {"model": self.model, "prompt": prompt, "add_special_tokens": add_special_tokens,
+                                       "return_token_strs": return_token_strs})
+        assert set(out) >= {"count", "max_model_len", "tokens"} and out["count"] == len(out["tokens"])
+        return out
+
+    def detokenize(self, tokens):
+        return self._post("/detokenize", {"model": self.model, "tokens": tokens})["prompt"]
+
+
+@pytest.mark.parametrize("route", ["/classify", "/v1/classify"])
+def test_vllm_client_runs_unchanged_on_both_routes(front, model_name, route, sample_tokens, reference):
+    client = VLLMClassifyClient(front.url, route, model_name)
+    _, rows = token_rows(sample_tokens)
+    ref = np.load(reference / "reference.npy")
+    out = client.classify(rows[:4])
+    for d, r in zip(out["data"], ref[:4]):
+        e = np.exp(r.astype(np.float64) - r.max())
+        assert np.allclose(d["probs"], e / e.sum(), atol=1e-7) and d["label"] == LABELS[int(r.argmax())]
+        assert d["num_classes"] == 3
+    assert out["usage"]["prompt_tokens"] == sum(len(r) for r in rows[:4])
+    for flag in ({"use_activation": False}, {"activation": False}, {"softmax": False}):  # vLLM's deprecated names too
+        raw = client.classify(rows[:2], **flag)
+        assert np.array_equal(np.asarray([d["probs"] for d in raw["data"]], dtype=np.float32), ref[:2]), flag
+    text = "Premise: the cat sleeps. Hypothesis: an animal rests."
+    tok = client.tokenize(text, return_token_strs=True)
+    assert tok["max_model_len"] == 8192 and len(tok["token_strs"]) == tok["count"]
+    by_text = client.classify(text)["data"][0]["probs"]
+    by_ids = client.classify([tok["tokens"]])["data"][0]["probs"]
+    assert by_text == by_ids
+    assert client.detokenize(tok["tokens"]).replace(" ", "") == text.replace(" ", "")
+    # truncate_prompt_tokens keeps the last k tokens (vLLM's meaning) and is recorded in usage
+    cut = client.classify([rows[0]], truncate_prompt_tokens=2)
+    assert cut["usage"]["prompt_tokens"] == 2 and cut["usage"]["truncate_prompt_tokens"] == 2
+    assert cut["usage"]["truncated_inputs"] == 1
+    last2 = client.classify([rows[0][-2:]])
+    assert cut["data"][0]["probs"] == last2["data"][0]["probs"]
+    full = client.classify([rows[0]], truncate_prompt_tokens=-1)
+    assert full["usage"]["prompt_tokens"] == len(rows[0]) and full["usage"]["truncated_inputs"] == 0
+
+
+def test_vllm_errors_unknown_model_whitespace_and_add_special_tokens(front, model_name, overlay):
+    for route in ("/classify", "/v1/classify"):
+        r = post(front.url, route, {"model": "no-such-model", "input": [[1, 2]]})
+        assert r.status_code == 404 and "no-such-model" in r.json()["error"]["message"]
+        r = post(front.url, route, {"model": model_name, "input": "   \n\t"})
+        assert r.status_code == 400 and "whitespace" in r.json()["error"]["message"]
+    r = post(front.url, "/classify", {"text": "  "})
+    assert r.status_code == 400 and "whitespace" in r.json()["error"]["message"]
+    r = post(front.url, "/tokenize", {"model": "other", "prompt": "x"})
+    assert r.status_code == 404
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(overlay)
+    text = "the cat sleeps"
+    with_special = tok(text, add_special_tokens=True)["input_ids"]
+    without = tok(text, add_special_tokens=False)["input_ids"]
+    got = post(front.url, "/tokenize", {"model": model_name, "prompt": text, "add_special_tokens": False}).json()
+    assert got["tokens"] == without
+    got = post(front.url, "/tokenize", {"model": model_name, "prompt": text}).json()
+    assert got["tokens"] == with_special
+    a = post(front.url, "/v1/classify", {"input": text, "add_special_tokens": False}).json()
+    b = post(front.url, "/v1/classify", {"input": [without]}).json()
+    assert a["data"][0]["probs"] == b["data"][0]["probs"] and a["usage"]["prompt_tokens"] == len(without)
+
+
+def test_native_contract_unchanged_with_vllm_on_the_same_route(front, sample_tokens):
+    _, rows = token_rows(sample_tokens)
+    r = post(front.url, "/classify", {"input_ids": rows[:2]})
+    assert r.status_code == 200 and list(r.json()) == ["logits", "labels", "model"]
+    assert r.headers["content-type"] == "application/json"
+    expected = json.dumps(r.json(), ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))
+    assert r.content == expected.encode()  # Starlette's JSONResponse rendering, as before
+    put = requests.put(f"{front.url}/classify", json={"input_ids": rows[:2]})  # SGLang registers PUT too
+    assert put.status_code == 200 and put.json()["logits"] == r.json()["logits"]
+
+
+# ---------------------------------------------------------------- /metrics
+def test_metrics_in_prometheus_text_format(front, sample_tokens):
+    _, rows = token_rows(sample_tokens)
+    before = requests.get(f"{front.url}/metrics").text
+    assert post(front.url, "/classify", {"input_ids": rows[:3]}).status_code == 200
+    r = requests.get(f"{front.url}/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    assert metric(text, "openjev_rows_total") - metric(before, "openjev_rows_total") == 3
+    assert metric(text, "openjev_tokens_total") - metric(before, "openjev_tokens_total") == sum(len(x) for x in rows[:3])
+    assert (metric(text, "openjev_http_requests_total", route="/classify", status="200")
+            - metric(before, "openjev_http_requests_total", route="/classify", status="200")) == 1
+    assert metric(text, "openjev_queue_rows") == 0 and metric(text, "openjev_queue_requests") == 0
+    assert metric(text, "openjev_step_seconds_count") >= 1 and metric(text, "openjev_step_seconds_bucket", le="+Inf") >= 1
+    assert metric(text, "openjev_step_token_budget") == 16384 and metric(text, "openjev_healthy") == 1
+    assert "# TYPE openjev_step_seconds histogram" in text and "# TYPE openjev_errors_total counter" in text
+
+
+# ---------------------------------------------------------------- the scheduler's pure parts
+def _scheduler():
+    sys.path.insert(0, str(APP))
+    import serve_transformers as st
+
+    return st
+
+
+def test_plan_step_round_robin_within_the_token_budget():
+    st = _scheduler()
+    mk = lambda rows: st.Job(rows, None, None)  # noqa: E731 - loop/future unused by the planner
+    huge, small = mk([[1] * 8000] * 5), mk([[2] * 10])
+    first = st.plan_step([huge, small], 16384)
+    assert [(j is huge, i) for j, i in first] == [(True, 0), (False, 0), (True, 1)]  # the small one rides along
+    assert st.plan_step([huge, small], 16384) == [(huge, 2), (huge, 3)]
+    assert st.plan_step([huge, small], 16384) == [(huge, 4)]
+    assert st.plan_step([huge, small], 16384) == []
+    alone = mk([[1] * 20000])  # longer than the budget: runs alone
+    assert st.plan_step([alone], 16384) == [(alone, 0)]
+    cancelled = mk([[1]] * 3)
+    cancelled.cancelled = True
+    assert st.plan_step([cancelled], 100) == []
+
+
+def test_length_groups_and_thread_policy():
+    st = _scheduler()
+    assert st.length_groups([5, 1, 3, 2, 4], 2) == [[1, 3], [2, 4], [0]]
+    assert st.auto_torch_threads(2, "cpu") == 1 and st.auto_torch_threads(1, "cpu") == 1
+    assert st.auto_torch_threads(16, "cpu") == 15 and st.auto_torch_threads(64, "cuda") == 4
