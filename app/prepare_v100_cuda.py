@@ -13,8 +13,10 @@ Flow (I/O only at the edges; the steps in between are small pure functions):
   2. fetch the manifest, check its sha256 against the pin, parse it and plan the components
      (a component missing from the manifest, or an entry without a sha256, is refused here,
      before any archive is downloaded);
-  3. an existing ROOT/cuda126 with the same receipt content is a no-op; anything else there is
-     refused unless --force;
+  3. an existing ROOT/cuda126 with the same receipt content whose files all match the receipt's
+     per-file list (size and mtime; size and sha256 with --verify) is a no-op; anything else there
+     (another toolkit, an edited, added, removed or swapped file, a receipt without the file list)
+     is refused, naming the differing files, unless --force; nothing is deleted without --force;
   4. download every archive into ROOT/.cuda126-download/ (`*.part` files, resumed with HTTP
      Range) and verify each sha256 before anything is unpacked;
   5. unpack every archive (path-traversal and link-escape guarded) into
@@ -65,7 +67,8 @@ from _common import (
 
 TOOL = "app/prepare_v100_cuda.py"
 RECEIPT_NAME = "openjev_cuda_receipt.json"
-RECEIPT_SCHEMA = "openjev.cuda_receipt/1"
+RECEIPT_SCHEMA = "openjev.cuda_receipt/2"
+MAX_LISTED = 10  # differing files named in the one-line refusal before "and N more"
 DEFAULT_BASE_URL = "https://developer.download.nvidia.com/compute/cuda/redist/"
 ARCHIVE_SUFFIX = ".tar.xz"
 MANIFEST_MAX_BYTES = 8 << 20
@@ -140,6 +143,9 @@ ARGUMENTS: tuple[Flag, ...] = (
                        "or (to repair it) matches: the new tree is staged first, the old one is then "
                        "moved aside and deleted",
          dict(action="store_true")),
+    Flag(("--verify",), "when ROOT/cuda126 already exists, compare every installed file's sha256 (and "
+                        "size) with the receipt instead of the default size and mtime",
+         dict(action="store_true")),
     Flag(("--dry-run",), "fetch only the manifest and print the plan (components, sizes, URLs); "
                          "download and change nothing",
          dict(action="store_true")),
@@ -170,7 +176,12 @@ examples:
   export CUDA_HOME="$OPENJEV_V100_ROOT/cuda126" PATH="$OPENJEV_V100_ROOT/cuda126/bin:$PATH"
 
 Re-running after an interruption resumes: verified archives are re-hashed and reused, *.part files
-are resumed with HTTP Range. Re-running on a finished install with the same plan is a no-op.
+are resumed with HTTP Range. Re-running on a finished install with the same plan is a no-op when
+every file listed in the receipt is still there unchanged (size and mtime; with --verify size and
+sha256) and no file was added; any difference is refused with one line naming the files (at most
+10, then "and N more") and nothing is deleted: reinstall with --force. A receipt written before the
+per-file list existed (schema openjev.cuda_receipt/1) cannot be checked, with or without --verify:
+the run refuses and asks for a reinstall with --force.
 Exit status: 0 on success (including "already installed"), 1 with one line on stderr otherwise.
 """
 
@@ -742,6 +753,61 @@ def count_installed(tree: Path) -> int:
     return n
 
 
+def tree_inventory(tree: Path, with_sha256: bool) -> dict[str, dict]:
+    """Every file and symlink in the tree (not the receipt), by POSIX relative path.
+
+    Regular files: size, mtime_ns and (with_sha256) sha256; symlinks: their target; anything
+    else (fifo, socket, device): its kind, so it shows up as a difference.
+    """
+    out: dict[str, dict] = {}
+    for dirpath, dirnames, filenames in os.walk(tree):
+        names = filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
+        for name in names:
+            path = os.path.join(dirpath, name)
+            rel = PurePosixPath(*Path(os.path.relpath(path, tree)).parts).as_posix()
+            if rel == RECEIPT_NAME:
+                continue
+            st = os.lstat(path)
+            if os.path.islink(path):
+                out[rel] = {"symlink": os.readlink(path)}
+            elif os.path.isfile(path):
+                entry = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+                if with_sha256:
+                    entry["sha256"] = sha256_file(path)
+                out[rel] = entry
+            else:
+                out[rel] = {"kind": "special"}
+    return out
+
+
+def compare_inventory(recorded: dict[str, dict], tree: Path, verify: bool) -> list[str]:
+    """Differences between the receipt's file list and the tree, as 'changed X' / 'added X' / 'removed X'."""
+    have = tree_inventory(tree, with_sha256=False)
+    diffs: list[str] = []
+    for rel in sorted(set(recorded) | set(have)):
+        want, got = recorded.get(rel), have.get(rel)
+        if got is None:
+            diffs.append(f"removed {rel}")
+        elif want is None:
+            diffs.append(f"added {rel}")
+        elif "symlink" in want or "symlink" in got:
+            if want.get("symlink") != got.get("symlink"):
+                diffs.append(f"changed {rel}")
+        elif "size" not in got or got["size"] != want.get("size"):
+            diffs.append(f"changed {rel}")
+        elif verify:
+            if sha256_file(tree / rel) != want.get("sha256"):
+                diffs.append(f"changed {rel}")
+        elif got["mtime_ns"] != want.get("mtime_ns"):
+            diffs.append(f"changed {rel}")
+    return diffs
+
+
+def summarize_differences(diffs: Sequence[str], limit: int = MAX_LISTED) -> str:
+    shown = ", ".join(diffs[:limit])
+    return shown + (f" and {len(diffs) - limit} more" if len(diffs) > limit else "")
+
+
 def remove_tree(path: Path) -> None:
     if path.is_symlink() or path.is_file():
         path.unlink()
@@ -760,8 +826,8 @@ def read_receipt(tree: Path) -> dict | None:
     return receipt
 
 
-def existing_state(target: Path, identity: dict) -> tuple[str, str]:
-    """('absent'|'same'|'differs', reason)."""
+def existing_state(target: Path, identity: dict, verify: bool = False) -> tuple[str, str]:
+    """('absent'|'same'|'differs', reason); reads the tree, never changes it."""
     if not os.path.lexists(target):
         return "absent", ""
     if target.is_symlink() or not target.is_dir():
@@ -772,10 +838,16 @@ def existing_state(target: Path, identity: dict) -> tuple[str, str]:
     if receipt_identity(receipt) != identity:
         difference = _describe_difference(receipt_identity(receipt), identity)
         return "differs", f"{target} holds a different toolkit ({difference})"
-    have = count_installed(target)
-    if have != receipt.get("installed_files"):
-        return "differs", (f"{target} was modified after install ({have} files, its receipt says "
-                           f"{receipt.get('installed_files')})")
+    recorded = receipt.get("files")
+    if not isinstance(recorded, dict) or not all(isinstance(v, dict) for v in recorded.values()):
+        return "differs", (f"{target} has a receipt without the per-file list (older than "
+                           f"{RECEIPT_SCHEMA}), so its files cannot be checked, with or without --verify; "
+                           "reinstall it")
+    diffs = compare_inventory(recorded, target, verify)
+    if diffs:
+        how = "size and sha256" if verify else "size and mtime"
+        return "differs", (f"{target} was modified after install ({len(diffs)} files differ from its "
+                           f"receipt by {how}: {summarize_differences(diffs)}); not calling it installed")
     return "same", ""
 
 
@@ -851,7 +923,8 @@ def print_plan(plans: Sequence[ComponentPlan], source: ManifestSource, manifest_
 
 def write_receipt(staging: Path, *, version: str, platform: str, source: ManifestSource, manifest_sha: str,
                   manifest: dict, allow_unpinned: bool, plans: Sequence[ComponentPlan],
-                  files_by_component: dict[str, int], installed_files: int) -> dict:
+                  files_by_component: dict[str, int], installed_files: int,
+                  files: dict[str, dict]) -> dict:
     receipt = {
         "schema": RECEIPT_SCHEMA,
         "tool": TOOL,
@@ -878,6 +951,7 @@ def write_receipt(staging: Path, *, version: str, platform: str, source: Manifes
         "layout": {"lib64": "symlink to lib (for tools that link -L$CUDA_HOME/lib64)",
                    "licenses": "licenses/<component>/LICENSE"},
         "installed_files": installed_files,
+        "files": files,
         "environment": environment_receipt(),
     }
     atomic_write_json(staging / RECEIPT_NAME, receipt)
@@ -921,17 +995,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     identity = plan_identity(version, platform, manifest_sha, plans)
 
     if args.dry_run:
-        print_plan(plans, source, manifest_sha, target, download_dir, existing_state(target, identity), args.force)
+        print_plan(plans, source, manifest_sha, target, download_dir, existing_state(target, identity, args.verify),
+                   args.force)
         return 0
 
     root.mkdir(parents=True, exist_ok=True)
     lock_fd = acquire_lock(root, dirname)
     try:
         remove_stale(root, dirname, console)
-        state, reason = existing_state(target, identity)
+        state, reason = existing_state(target, identity, args.verify)
         if state == "same" and not args.force:
-            console.line(f"already installed: CUDA {version} ({platform}) in {target} matches its receipt; "
-                         "nothing to do")
+            console.line(f"already installed: CUDA {version} ({platform}) in {target} matches its receipt "
+                         f"({'size and sha256' if args.verify else 'size and mtime'} of every file); nothing to do")
             return 0
         if state == "differs" and not args.force:
             raise UserError(f"{reason}; refusing to replace it (pass --force)")
@@ -987,8 +1062,9 @@ def install_tree(root: Path, dirname: str, target: Path, archives: Iterable[Path
             files_by_component[plan.name] = extract_component(archive, plan, staging, owners)
             console.line(f"[{i}/{len(plans)}] {plan.name}: unpacked {files_by_component[plan.name]} files")
         finalize_tree(staging)
+        files = tree_inventory(staging, with_sha256=True)
         receipt = write_receipt(staging, plans=plans, files_by_component=files_by_component,
-                                installed_files=count_installed(staging), **receipt_fields)
+                                installed_files=len(files), files=files, **receipt_fields)
         staging.chmod(0o755)
         if os.path.lexists(target):
             os.rename(target, aside)

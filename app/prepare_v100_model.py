@@ -9,8 +9,12 @@ pinned base revision (huggingface_hub, `revision=` the pin) or from --processor-
 checked against the sha256 in HF_SOURCE.json.
 
 Refuses: a config that is not a 3-label Qwen3.5 sequence classifier with labels
-contradiction/entailment/neutral in that order; a processor config whose sha256 differs from the
-pin (or is unpinned, unless --allow-unpinned); an OUT that exists and is not an overlay made by
+contradiction/entailment/neutral in that order; an incomplete checkpoint (no config.json, no
+tokenizer_config.json, no tokenizer.json (or vocab.json + merges.txt), a shard named by
+model.safetensors.index.json missing, or no model.safetensors / index at all), with the list;
+a processor config whose sha256 differs from the pin (or is unpinned, unless --allow-unpinned),
+whether fetched or carried inside the checkpoint (a carried one that differs from the pin is
+accepted only with --allow-unpinned, and recorded); an OUT that exists and is not an overlay made by
 this script. Re-running on its own overlay is a no-op when nothing changed. OUT appears
 atomically: a failure leaves nothing half-made.
 
@@ -25,6 +29,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -33,8 +38,10 @@ from sglang_openjev.contract import check_label_order
 
 MARKER = ".openjev_overlay.json"
 PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json")
-ARCHITECTURES = {"Qwen3_5ForSequenceClassification", "Qwen3_5TextForSequenceClassification"}
-MODEL_TYPES = {"qwen3_5", "qwen3_5_text"}
+ARCHITECTURES = {"Qwen3_5ForSequenceClassification"}
+# The launcher (sglang_openjev.launch_server) serves only the multimodal qwen3_5 config with text_config:
+# SGLang registers no 'qwen3_5_text' config class, so an overlay of a text-only checkpoint could not start.
+MODEL_TYPES = {"qwen3_5"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="offline: take the two processor configs from this directory instead of the hub")
     p.add_argument("--sources", type=Path, default=None, help="pinned-source file (default: the bundle's HF_SOURCE.json)")
     p.add_argument("--allow-unpinned", action="store_true",
-                   help="accept processor configs or a base revision that HF_SOURCE.json leaves null (recorded)")
+                   help="accept processor configs or a base revision that HF_SOURCE.json leaves null, and a processor "
+                        "config carried inside the checkpoint that differs from its pin (all recorded)")
     p.add_argument("--replace", action="store_true",
                    help="rebuild an existing overlay made by this script for a different checkpoint")
     return p
@@ -57,13 +65,59 @@ def check_checkpoint_config(config: dict) -> None:
     """Raise ValueError unless `config` is a 3-label Qwen3.5 classifier in C/E/N order."""
     model_type = config.get("model_type")
     if model_type not in MODEL_TYPES:
-        raise ValueError(f"model_type is {model_type!r}, expected one of {sorted(MODEL_TYPES)} (a Qwen3.5 checkpoint)")
+        hint = (" (a text-only Qwen3.5 checkpoint: SGLang registers no 'qwen3_5_text' config class, so the launcher "
+                "refuses it too; save it with the multimodal qwen3_5 config and text_config)"
+                if model_type == "qwen3_5_text" else " (a Qwen3.5 checkpoint)")
+        raise ValueError(f"model_type is {model_type!r}, expected one of {sorted(MODEL_TYPES)}{hint}")
     archs = set(config.get("architectures") or [])
     if not archs & ARCHITECTURES:
         raise ValueError(f"architectures {sorted(archs)} has none of {sorted(ARCHITECTURES)}")
     id2label = config.get("id2label")
     num_labels = config.get("num_labels", len(id2label) if id2label else None)
     check_label_order(id2label, num_labels)
+
+
+def missing_checkpoint_files(names: set[str], index: dict | None) -> list[str]:
+    """What a complete checkpoint lacks, given its top-level file names and its parsed
+    model.safetensors.index.json (None when there is none). Empty list = complete."""
+    missing = [n for n in ("config.json", "tokenizer_config.json") if n not in names]
+    if "tokenizer.json" not in names and not {"vocab.json", "merges.txt"} <= names:
+        missing.append("tokenizer.json")
+    if index is not None:
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            missing.append("model.safetensors.index.json weight_map (empty or malformed)")
+        else:
+            missing += sorted({str(v) for v in weight_map.values()} - names)
+    elif "model.safetensors" not in names:
+        missing.append("model.safetensors (no weights: neither it nor model.safetensors.index.json)")
+    return missing
+
+
+def check_checkpoint_complete(checkpoint: Path) -> None:
+    names = {e.name for e in checkpoint.iterdir() if e.is_file()}
+    index = None
+    if "model.safetensors.index.json" in names:
+        try:
+            index = json.loads((checkpoint / "model.safetensors.index.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise UserError(f"{checkpoint / 'model.safetensors.index.json'} is not readable JSON: {exc}") from None
+    missing = missing_checkpoint_files(names, index)
+    if missing:
+        raise UserError(f"checkpoint {checkpoint} is incomplete; missing: {', '.join(missing)}; "
+                        "refusing to build an overlay")
+
+
+def check_carried_processor(name: str, digest: str, pinned: str | None, allow_unpinned: bool) -> dict:
+    """Receipt entry for a processor config the checkpoint itself carries, checked against the pin."""
+    if pinned == digest:
+        return {"sha256": digest, "pinned": True, "source": "checkpoint"}
+    if not allow_unpinned:
+        why = "HF_SOURCE.json pins none (null)" if pinned is None else f"HF_SOURCE.json pins {pinned}"
+        raise UserError(f"the checkpoint carries {name} with sha256 {digest}; {why}; refusing it "
+                        "(pass --allow-unpinned to accept it, which is recorded)")
+    return {"sha256": digest, "pinned": False, "source": "checkpoint", "pin": pinned,
+            "accepted_by": "--allow-unpinned"}
 
 
 def overlay_plan(checkpoint: Path) -> dict[str, str]:
@@ -137,7 +191,56 @@ def build_overlay(staging: Path, plan: dict[str, str], receipt: dict) -> None:
     atomic_write_json(staging / MARKER, receipt)
 
 
+def _raise_interrupt(signum, frame):  # noqa: ARG001 - signal handler signature
+    raise KeyboardInterrupt
+
+
+def foreign_entries(out: Path, marker: dict) -> list[str]:
+    """Entries of an existing overlay that this script did not create (an operator put them there)."""
+    ours = set(marker.get("links") or {}) | set(marker.get("processor_files") or {}) | {MARKER}
+    return sorted(e.name for e in out.iterdir() if e.name not in ours)
+
+
+def clean_stale(out: Path) -> None:
+    """Remove `.OUT.partial-PID` / `.OUT.old-PID` left by runs that died (PID no longer alive)."""
+    if not out.parent.is_dir():
+        return
+    for path in sorted(out.parent.glob(f".{out.name}.partial-*")) + sorted(out.parent.glob(f".{out.name}.old-*")):
+        try:
+            pid = int(path.name.rsplit("-", 1)[1])
+        except ValueError:
+            continue
+        if pid == os.getpid() or _alive(pid):
+            continue
+        if ".old-" in path.name and not out.exists():
+            print(f"restoring {out} from {path.name}, moved aside by a run that died", file=sys.stderr)
+            path.rename(out)
+            continue
+        print(f"removing {path.name} left by a run that died (pid {pid})", file=sys.stderr)
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def main() -> int:
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_interrupt)
+    try:
+        return _main()
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename else ""
+        raise UserError(f"{where}{exc.strerror or exc}; nothing was changed") from None
+
+
+def _main() -> int:
     args = build_parser().parse_args()
     ckpt = args.checkpoint
     out = (args.out or openjev_root() / "model").expanduser()
@@ -153,6 +256,7 @@ def main() -> int:
         check_checkpoint_config(config)
     except ValueError as exc:
         raise UserError(f"{ckpt} is not an OpenJEV classifier: {exc}") from None
+    check_checkpoint_complete(ckpt)
     if out.resolve() == ckpt.resolve():
         raise UserError("OUT must differ from CHECKPOINT (the checkpoint is never modified)")
 
@@ -163,6 +267,8 @@ def main() -> int:
         raise UserError(f"{out} is an overlay of {marker.get('checkpoint')}, not of {ckpt.resolve()}; "
                         "choose a new OUT or pass --replace")
 
+    clean_stale(out)
+
     base = load_sources(args.sources).get("base_model") or {}
     plan = overlay_plan(ckpt)
     staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
@@ -172,7 +278,9 @@ def main() -> int:
         processors = {}
         own = [n for n in PROCESSOR_FILES if n in plan]
         if own:  # the checkpoint already carries them: keep the checkpoint's, record their hashes
-            processors = {n: {"sha256": sha256_file(ckpt / n), "pinned": False, "source": "checkpoint"} for n in own}
+            pins = base.get("files") or {}
+            processors = {n: check_carried_processor(n, sha256_file(ckpt / n), pins.get(n), args.allow_unpinned)
+                          for n in own}
         missing = [n for n in PROCESSOR_FILES if n not in plan]
         if missing:
             fetched = fetch_processor_files(args, base, staging)
@@ -188,6 +296,10 @@ def main() -> int:
             "base_model": {"repo": base.get("repo"), "revision": base.get("revision")},
             "allow_unpinned": args.allow_unpinned,
         }
+        if marker is not None and (foreign := foreign_entries(out, marker)):
+            raise UserError(f"{out} holds files this script did not create: {', '.join(foreign[:10])}"
+                            + (f" and {len(foreign) - 10} more" if len(foreign) > 10 else "")
+                            + "; refusing to rebuild over them (move them out of the overlay first)")
         build_overlay(staging, plan, receipt)
         if out.exists():  # our own overlay: swap atomically, then drop the old one
             old = out.with_name(f".{out.name}.old-{os.getpid()}")

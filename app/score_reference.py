@@ -11,6 +11,14 @@ FP16 on a GPU (the spec's reference); on a CPU float32, recorded as such. --batc
 default) scores each row alone and unpadded: the purest reference. A larger batch pads rows into
 one forward (faster on a GPU, recorded as mode "padded").
 
+The forward is Transformers' own, with Transformers' own kernel choice: on a GPU with the extra of
+requirements-gpu-embedded.txt installed, flash-linear-attention's Triton kernels for the GDN
+layers (checked against a float64 recurrence first), else its PyTorch fallback, the reason
+logged; --kernels torch forces the fallback. The receipt records the path that ran
+("kernel_path"), the untimed warm-up forwards (--warmup) that compile those kernels before the
+clock starts, and "compute_bound": the matmul FLOPs of the pass against the matmul peak measured
+in the same run (fp16 on a GPU, float32 on a CPU).
+
 Example:
   score_reference.py --model $OPENJEV_V100_ROOT/model --tokens G.tokens.jsonl --inputs G.jsonl --out results/ref_G
 """
@@ -18,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -40,15 +49,130 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
                    help="auto = float16 on a GPU, float32 on a CPU (default: auto)")
     p.add_argument("--batch-size", type=int, default=1, help="rows per forward; >1 pads (default: 1, unpadded)")
+    p.add_argument("--kernels", choices=["auto", "torch"], default=None,
+                   help="GDN kernels: auto = flash-linear-attention where it runs, torch = Transformers' PyTorch "
+                        "fallback (default: $OPENJEV_KERNELS or auto)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed forwards before the timed pass, compiling the kernels (default: 2)")
+    p.add_argument("--no-peak", action="store_true", help="skip the matmul-peak measurement of compute_bound")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes sharing the device, each loading the model and scoring a share of the rows "
+                        "with the same forwards (one forward is launch-bound on a GPU: 2 keep it busy); the "
+                        "logits do not depend on it (default: 1)")
     return p
+
+
+def load_checked(args, rows, row_ids):
+    from _classifier import load_classifier
+    from _kernels import path_label
+
+    clf = load_classifier(args.model, args.device, args.dtype)
+    for i, r in enumerate(rows):
+        if max(r) >= clf.vocab_size:
+            raise UserError(f"row {row_ids[i]}: token id {max(r)} is out of the model's vocabulary ({clf.vocab_size})")
+    print(f"kernel path: {path_label(clf.kernels)} ({clf.kernels['selection']['reason']})", file=sys.stderr)
+    return clf
+
+
+def score_units(clf, rows, units, out, bar=None) -> None:
+    from _classifier import score_exact, score_padded
+
+    for unit in units:
+        part = [rows[i] for i in unit]
+        out[unit] = score_exact(clf, part) if len(unit) == 1 else score_padded(clf, part)
+        if bar is not None:
+            bar.update(len(unit))
+
+
+def score_here(args, rows, row_ids, units):
+    from _kernels import warm_up
+
+    clf = load_checked(args, rows, row_ids)
+    warm = warm_up(clf, rows, args.warmup, padded=args.batch_size > 1)
+    logits = np.empty((len(rows), len(LABELS)), dtype=np.float32)
+    t0 = time.perf_counter()
+    with tqdm(total=len(rows), unit="row", desc="reference", disable=None, file=sys.stderr) as bar:
+        score_units(clf, rows, units, logits, bar)
+    elapsed = time.perf_counter() - t0
+    return {"dtype": clf.dtype, "device": clf.device, "kernels": clf.kernels, "warmup": warm}, logits, elapsed
+
+
+def _worker(args, rows, row_ids, units, ready, go, results) -> None:
+    """One scoring process: load, warm up, report ready, wait for the common start, score."""
+    try:
+        from _kernels import warm_up
+
+        clf = load_checked(args, rows, row_ids)
+        warm = warm_up(clf, rows, args.warmup, padded=args.batch_size > 1)
+        ready.put({"dtype": clf.dtype, "device": clf.device, "kernels": clf.kernels, "warmup": warm})
+        go.wait()
+        out = np.empty((len(rows), len(LABELS)), dtype=np.float32)
+        score_units(clf, rows, units, out)
+        if clf.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.synchronize()
+        idx = [i for u in units for i in u]
+        results.put((idx, out[idx]))
+    except BaseException as exc:  # noqa: BLE001 - the parent reports it as one line
+        msg = str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"
+        ready.put({"error": msg})
+        results.put(({"error": msg}, None))
+
+
+def score_in_workers(args, rows, row_ids, units):
+    """--workers N processes on one device; units dealt longest first to the least-loaded worker.
+    The clock runs from the common start (all loaded and warmed) to the last result."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    shares: list[list[list[int]]] = [[] for _ in range(args.workers)]
+    load = [0] * args.workers
+    for unit in sorted(units, key=lambda u: -sum(len(rows[i]) for i in u)):
+        k = load.index(min(load))
+        shares[k].append(unit)
+        load[k] += sum(len(rows[i]) for i in unit)
+    ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=_worker, args=(args, rows, row_ids, share, ready, go, results), daemon=True)
+             for share in shares]
+    for p in procs:
+        p.start()
+    try:
+        infos = [ready.get(timeout=1800) for _ in procs]
+        errors = [i["error"] for i in infos if "error" in i]
+        if errors:
+            raise UserError(errors[0])
+        print(f"{args.workers} workers loaded and warmed; scoring", file=sys.stderr)
+        logits = np.full((len(rows), len(LABELS)), np.nan, dtype=np.float32)
+        t0 = time.perf_counter()
+        go.set()
+        for _ in procs:
+            idx, part = results.get(timeout=7200)
+            if isinstance(idx, dict):
+                raise UserError(idx["error"])
+            logits[idx] = part
+        elapsed = time.perf_counter() - t0
+    finally:
+        go.set()
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    if np.isnan(logits).any():
+        raise UserError("a worker returned no logits for some rows")
+    info = dict(infos[0])
+    info["warmup"] = {"per_worker": [i["warmup"] for i in infos]}
+    return info, logits, elapsed
 
 
 def main() -> int:
     args = build_parser().parse_args()
     if args.out.exists():
         raise UserError(f"output directory {args.out} already exists; refusing to overwrite it")
-    if args.batch_size < 1 or args.truncate < 1:
-        raise UserError("--batch-size and --truncate must be positive")
+    if args.batch_size < 1 or args.truncate < 1 or args.warmup < 0 or args.workers < 1:
+        raise UserError("--batch-size, --truncate and --workers must be positive, --warmup not negative")
+    if args.kernels:
+        os.environ["OPENJEV_KERNELS"] = args.kernels
     row_ids, rows = read_tokens(args.tokens)
     inputs_entry = None
     if args.inputs is not None:
@@ -59,21 +183,21 @@ def main() -> int:
     rows, n_cut = truncate_rows(rows, args.truncate)
 
     import torch  # noqa: F401  (recorded in the environment receipt)
-    from _classifier import load_classifier, score_exact, score_padded, weight_files
+    from _classifier import weight_files
+    from _kernels import compute_bound, measure_matmul_peak, model_flops, path_label
 
-    clf = load_classifier(args.model, args.device, args.dtype)
-    for i, r in enumerate(rows):
-        if max(r) >= clf.vocab_size:
-            raise UserError(f"row {row_ids[i]}: token id {max(r)} is out of the model's vocabulary ({clf.vocab_size})")
-    t0 = time.perf_counter()
-    chunks = []
-    with tqdm(total=len(rows), unit="row", desc="reference", disable=None, file=sys.stderr) as bar:
-        for start in range(0, len(rows), args.batch_size):
-            part = rows[start:start + args.batch_size]
-            chunks.append(score_exact(clf, part) if args.batch_size == 1 else score_padded(clf, part))
-            bar.update(len(part))
-    logits = np.concatenate(chunks).astype(np.float32)
-    elapsed = time.perf_counter() - t0
+    # units of work: single rows (exact) or the same consecutive batches whatever --workers is
+    units = [list(range(s, min(s + args.batch_size, len(rows)))) for s in range(0, len(rows), args.batch_size)]
+    if args.workers == 1:
+        info, logits, elapsed = score_here(args, rows, row_ids, units)
+    else:
+        info, logits, elapsed = score_in_workers(args, rows, row_ids, units)
+    clf_dtype, clf_device, kernels, warm = info["dtype"], info["device"], info["kernels"], info["warmup"]
+    bound = None
+    if not args.no_peak:
+        peak_dtype = "float32" if clf_device == "cpu" else "float16"
+        bound = compute_bound(measure_matmul_peak(clf_device, peak_dtype), peak_dtype,
+                              model_flops(args.model, sum(len(r) for r in rows)), elapsed)
 
     staging = args.out.with_name(f".{args.out.name}.partial")
     staging.mkdir(parents=True, exist_ok=False)
@@ -87,13 +211,17 @@ def main() -> int:
         "tokens": {"path": str(args.tokens), "sha256": tokens_sha, "truncate": args.truncate,
                    "truncated_rows": n_cut, "ids_sha256": ids_sha256(rows)},
         "model": {"path": str(args.model), "resolved": str(args.model.resolve()), "files": weight_files(args.model)},
-        "backend": "transformers", "dtype": clf.dtype, "device": clf.device,
-        "mode": "exact" if args.batch_size == 1 else "padded", "batch_size": args.batch_size,
+        "backend": "transformers", "dtype": clf_dtype, "device": clf_device,
+        "mode": "exact" if args.batch_size == 1 else "padded", "batch_size": args.batch_size, "workers": args.workers,
         "logits_sha256": sha256_file(staging / "reference.npy"), "elapsed_s": round(elapsed, 3),
+        "rows_per_s": round(len(rows) / elapsed, 3) if elapsed > 0 else None,
+        "warmup": warm, "kernel_path": kernels, "compute_bound": bound,
         "environment": environment_receipt(),
     })
     staging.rename(args.out)
-    print(f"wrote {args.out}/reference.npy ({len(rows)} rows, {clf.dtype} on {clf.device}, {elapsed:.1f} s)")
+    print(f"wrote {args.out}/reference.npy ({len(rows)} rows, {clf_dtype} on {clf_device}, {elapsed:.1f} s, "
+          f"{len(rows) / elapsed:.2f} rows/s, {args.workers} worker(s), kernels {path_label(kernels)}"
+          + (f", {bound['fraction_of_peak']:.3f} of the {bound['peak_dtype']} matmul peak" if bound else "") + ")")
     return 0
 
 

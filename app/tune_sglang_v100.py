@@ -41,7 +41,8 @@ Output (DIR must not exist; nothing is touched when it does):
   DIR/run.json               live record, rewritten atomically after every step: phase
                              (waiting-idle, starting-server, benchmarking, stopping-server; at the
                              end done = every profile completed and every check held, failed =
-                             otherwise or a tuner error, interrupted = SIGTERM/SIGINT), current
+                             otherwise or a tuner error, interrupted = SIGTERM/SIGINT, tuner-died =
+                             set by the watchdog after the tuner was killed), current
                              profile, server PID, tuner PID and start time, measurements so far
   DIR/summary.json           comparison, fastest profiles, every check; nothing promoted
   DIR/comparison.png         cold and warm median pass wall time per profile and input set
@@ -56,6 +57,14 @@ Output (DIR must not exist; nothing is touched when it does):
                              lives with that start time; a stale file is reported and replaced;
                              removed at the end
   DIR.log                    the daemon's stdout and stderr (--daemon only)
+
+Children never outlive the tuner, however it ends (SIGKILL included): the server and every bench get a
+parent-death signal (server SIGTERM, bench SIGKILL: a bench never writes into a dead run) and
+OPENJEV_TUNE_RUN=<run_id> in their environment (inherited by the server's own children); a watchdog
+process (own session) ends every process so tagged within a few seconds of the tuner's death and sets
+run.json's phase to "tuner-died". `--status DIR` (and the refusal of a later run on DIR, or on a port
+that a process of a run holds) says whether the run's tuner is gone (PID + start time), names its
+processes still alive and prints the kill command that ends them.
 
 Checks (all must hold for exit 0): every profile completed; every bench exited 0 and wrote an
 "openjev-bench" receipt of its mode that is valid and complete, with a median pass wall time and
@@ -93,6 +102,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -107,7 +117,8 @@ DEFAULT_SERVER_CMD = APP_DIR / "serve_sglang_v100.sh"
 DEFAULT_PROFILES = "fcfs:8,fcfs:16,fcfs:32,lpm:16"
 SCHEDULE_POLICIES = ("lpm", "fcfs", "random", "dfs-weight", "lof", "priority", "routing-key")
 MODES = ("cold", "warm")
-PHASES = ("waiting-idle", "starting-server", "benchmarking", "stopping-server", "done", "failed", "interrupted")
+PHASES = ("waiting-idle", "starting-server", "benchmarking", "stopping-server", "done", "failed", "interrupted",
+          "tuner-died")
 RESERVED_ENV = ("CUDA_VISIBLE_DEVICES", "MAX_RUNNING_REQUESTS", "SCHEDULE_POLICY")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 ENV_KEY_RE = re.compile(r"^[A-Z_][A-Z0-9_]*$")
@@ -122,10 +133,13 @@ START_TIME_TOLERANCE = 0.05  # s; process start times come from clock ticks (10 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # (flag, type, default, help) in the style of SGLang's server_args table
-    p.add_argument("--gpu", type=int, required=True,
-                   help="physical GPU index (NVML order; the server gets CUDA_VISIBLE_DEVICES=N, CUDA_DEVICE_ORDER=PCI_BUS_ID)")
-    p.add_argument("--port", type=int, required=True, help=f"port for the candidate servers (never {PRODUCTION_PORT}; must be free)")
-    p.add_argument("--out", type=Path, required=True, help="output directory (must not exist)")
+    p.add_argument("--gpu", type=int, default=None,
+                   help="required (except with --status): physical GPU index (NVML order; the server gets CUDA_VISIBLE_DEVICES=N, CUDA_DEVICE_ORDER=PCI_BUS_ID)")
+    p.add_argument("--port", type=int, default=None, help=f"required (except with --status): port for the candidate servers (never {PRODUCTION_PORT}; must be free)")
+    p.add_argument("--out", type=Path, default=None, help="required (except with --status): output directory (must not exist)")
+    p.add_argument("--status", type=Path, default=None, metavar="DIR",
+                   help="print the state of the run in DIR (live, finished, or tuner gone), name every process of it "
+                        "still running and the command that ends them; starts nothing (--gpu/--port/--out not needed)")
     p.add_argument("--model", type=Path, default=None, help="checkpoint / overlay directory (default: $OPENJEV_V100_ROOT/model)")
     p.add_argument("--profiles", default=DEFAULT_PROFILES,
                    help=f"profiles to compare: [NAME=]POLICY:N[+MOD...] list or a JSON file (default: {DEFAULT_PROFILES})")
@@ -685,6 +699,229 @@ def stop_process_tree(handle: ServerHandle, timeout: float) -> dict:
             "left_running": [describe_process(p) for p in left], "clean": not left and code is not None}
 
 
+# ================================================================ children that never outlive the tuner
+# Three layers, so that no server or bench of a run survives its tuner, however the tuner ends:
+#  1. each child (server launcher, bench) asks the kernel for a parent-death signal (PR_SET_PDEATHSIG, set in
+#     the child between fork and exec; it survives the launcher's exec): SIGTERM for the server (it shuts down
+#     its own children), SIGKILL for the bench (a bench must never write a receipt into a dead run);
+#  2. every child gets RUN_ENV=<run id> and OUT_ENV=<DIR> in its environment, inherited by every process it
+#     starts (SGLang's scheduler and detokenizer, a setsid'd helper...), which is how a process of a run is
+#     recognised later, by the watchdog, by --status and by the port check of a later invocation;
+#  3. a watchdog process (its own session) holds the read end of a pipe whose write end only the tuner holds:
+#     EOF without the tuner's "done" means the tuner died (SIGKILL, OOM killer...). It then SIGTERMs every
+#     process carrying the run id, SIGKILLs what is left after WATCHDOG_GRACE s, and records the death in
+#     run.json (phase "tuner-died").
+RUN_ENV = "OPENJEV_TUNE_RUN"
+OUT_ENV = "OPENJEV_TUNE_OUT"
+WATCHDOG_FLAG = "--internal-watchdog"
+WATCHDOG_GRACE = 3.0
+FINAL_PHASES = ("done", "failed", "interrupted", "tuner-died")
+PR_SET_PDEATHSIG = 1
+
+
+def _set_parent_death_signal(sig: int) -> bool:
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def child_preexec(sig: int, parent_pid: int):
+    """preexec_fn of a child: parent-death signal `sig`; if the parent already died (before prctl), die now."""
+    def preexec() -> None:
+        _set_parent_death_signal(sig)
+        if os.getppid() != parent_pid:
+            os.kill(os.getpid(), sig)
+    return preexec
+
+
+def run_processes(run_id: str | None, recorded: Sequence[dict] = ()) -> list[dict]:
+    """Live processes of a run: every process whose environment carries RUN_ENV=run_id, and every recorded
+    child {"pid", "start_time", "role"} still alive with that start time. [{pid, role, cmdline}], by pid."""
+    import psutil
+
+    found: dict[int, dict] = {}
+    me = os.getpid()
+    if run_id:
+        for p in psutil.process_iter(["pid", "cmdline", "status"]):
+            if p.pid == me or p.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            try:
+                if p.environ().get(RUN_ENV) != run_id:
+                    continue
+            except (psutil.Error, OSError):
+                continue
+            found[p.pid] = {"pid": p.pid, "role": "process of the run", "cmdline": " ".join(p.info["cmdline"] or [])}
+    for c in recorded:
+        pid = c.get("pid")
+        if isinstance(pid, int) and process_alive(pid, c.get("start_time")):
+            cmd = describe_process(pid)
+            found[pid] = {"pid": pid, "role": c.get("role") or "process of the run", "cmdline": cmd}
+    return [found[k] for k in sorted(found)]
+
+
+def kill_command(pids: Sequence[int]) -> str:
+    ids = " ".join(str(p) for p in pids)
+    return f"kill -TERM {ids}; sleep 5; kill -KILL {ids} 2>/dev/null"
+
+
+def inspect_run(out: Path) -> dict:
+    """What DIR/run.json says and what is true now: {"run", "tuner_alive", "finished", "processes", "text"}."""
+    try:
+        run = json.loads((out / "run.json").read_text())
+        if not isinstance(run, dict):
+            raise ValueError("not an object")
+    except FileNotFoundError:
+        return {"run": None, "text": f"{out} holds no run.json (not a tuner run)"}
+    except (OSError, ValueError) as exc:
+        return {"run": None, "text": f"{out}/run.json is unreadable ({exc})"}
+    tuner = run.get("tuner") or {}
+    pid, st = tuner.get("pid"), tuner.get("start_time")
+    same_host = tuner.get("host") in (None, socket.gethostname())
+    alive = isinstance(pid, int) and same_host and process_alive(pid, st)
+    finished = run.get("exit_code") is not None or run.get("phase") in FINAL_PHASES
+    procs = run_processes(run.get("run_id"), run.get("children") or []) if same_host else []
+    procs = [p for p in procs if p["pid"] != pid]
+    phase = run.get("phase")
+    if not same_host:
+        state = f"run {out} was started on host {tuner.get('host')}; its processes cannot be checked from here"
+    elif alive:
+        state = f"run {out} is live: tuner pid {pid} (started {tuner.get('started_at')}) is running, phase {phase!r}"
+    elif finished and phase != "tuner-died":
+        state = (f"run {out} finished: phase {phase!r}, exit code {run.get('exit_code')} at {run.get('finished_at')}; "
+                 f"tuner pid {pid} has ended")
+    else:
+        died = run.get("tuner_died") or {}
+        state = (f"run {out}: its tuner pid {pid} (started {tuner.get('started_at')}) is gone"
+                 + (f" (seen by the watchdog at {died.get('detected_at')})" if died.get("detected_at") else
+                    f" without finishing (run.json still says phase {phase!r}, last update {run.get('updated_at')})"))
+    if procs:
+        state += ("; still running: " + ", ".join(f"pid {p['pid']} ({p['role']}: {p['cmdline'][:100]})" for p in procs)
+                  + f"; end them with: {kill_command([p['pid'] for p in procs])}")
+    elif not alive:
+        state += "; no process of this run is running"
+    return {"run": run, "tuner_alive": alive, "finished": finished, "processes": procs, "text": state}
+
+
+def port_holders(port: int) -> list[int]:
+    """PIDs listening on 127.0.0.1/any :port (where this user may see them)."""
+    import psutil
+
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except (psutil.Error, OSError):
+        return []
+    return sorted({c.pid for c in conns if c.pid and c.status == psutil.CONN_LISTEN and c.laddr
+                   and c.laddr.port == port})
+
+
+def describe_port_holder(port: int) -> str:
+    """`port P ... is in use` plus, for a process of a tuner run, that run's state and the command that ends it."""
+    import psutil
+
+    parts = []
+    for pid in port_holders(port):
+        try:
+            env = psutil.Process(pid).environ()
+        except (psutil.Error, OSError):
+            env = {}
+        if env.get(OUT_ENV):
+            info = inspect_run(Path(env[OUT_ENV]))
+            parts.append(f"held by {describe_process(pid)}, a process of tuner run {env[OUT_ENV]}: {info['text']}"
+                         + ("" if "end them with" in info["text"] else f"; end it with: {kill_command([pid])}"))
+        else:
+            parts.append(f"held by {describe_process(pid)}")
+    return "; ".join(parts)
+
+
+def start_watchdog(out: Path, run_id: str, pidfile: Path) -> tuple[subprocess.Popen, int] | None:
+    """The watchdog of layer 3; returns (process, write end of its pipe) or None if it cannot start."""
+    r, w = os.pipe()  # both ends close-on-exec: no server or bench inherits the write end
+    try:
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), WATCHDOG_FLAG, str(out), run_id,
+                                 str(os.getpid()), str(pidfile)], stdin=r, stdout=subprocess.DEVNULL,
+                                start_new_session=True, cwd=REPO_ROOT)
+    except OSError as exc:
+        os.close(w)
+        say(f"warning: no watchdog ({exc}); children still get a parent-death signal")
+        return None
+    finally:
+        os.close(r)
+    return proc, w
+
+
+def stop_watchdog(wd: tuple[subprocess.Popen, int] | None) -> None:
+    """Tell the watchdog the tuner ended normally (its cleanup is done) and let it exit."""
+    if wd is None:
+        return
+    proc, w = wd
+    try:
+        os.write(w, b"done")
+    except OSError:
+        pass
+    os.close(w)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def watchdog_main(argv: Sequence[str]) -> int:
+    """Layer 3: wait for the tuner's end; after an abnormal one, end every process of the run and record it."""
+    out, run_id, tuner_pid, pidfile = Path(argv[0]), argv[1], int(argv[2]), Path(argv[3])
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_IGN)
+    data = b""
+    while chunk := os.read(0, 64):
+        data += chunk
+    if data == b"done":
+        return 0
+    t0 = utc_now()
+    procs = run_processes(run_id)
+    for p in procs:
+        try:
+            os.kill(p["pid"], signal.SIGTERM)
+        except OSError:
+            pass
+    deadline = time.monotonic() + WATCHDOG_GRACE
+    while time.monotonic() < deadline and run_processes(run_id):
+        time.sleep(0.1)
+    killed = run_processes(run_id)
+    for p in killed:
+        try:
+            os.kill(p["pid"], signal.SIGKILL)
+        except OSError:
+            pass
+    end = time.monotonic() + 5
+    while time.monotonic() < end and run_processes(run_id):
+        time.sleep(0.1)
+    left = run_processes(run_id)
+    try:
+        run = json.loads((out / "run.json").read_text())
+        if run.get("exit_code") is None and run.get("phase") not in FINAL_PHASES:
+            run["tuner_died"] = {"detected_at": t0, "by": f"watchdog pid {os.getpid()}", "phase_at_death": run["phase"],
+                                 "stopped": procs, "needed_sigkill": [p["pid"] for p in killed], "left_running": left}
+            for rec in run.get("profiles") or []:
+                if rec.get("status") == "running":
+                    rec.update(status="interrupted", failure=f"tuner pid {tuner_pid} died (seen by the watchdog)")
+            run.update(phase="tuner-died", phase_since=t0, server_pid=None, finished_at=utc_now(), updated_at=utc_now(),
+                       error=f"tuner pid {tuner_pid} died without finishing (no exit status; e.g. SIGKILL)")
+            atomic_write_json(out / "run.json", run)
+    except (OSError, ValueError):
+        pass
+    try:
+        if (read_pidfile(pidfile) or {}).get("pid") == tuner_pid:
+            pidfile.unlink(missing_ok=True)
+    except UserError:
+        pass
+    print(f"[tune watchdog] tuner pid {tuner_pid} died; stopped {len(procs)} process(es) of run {out}"
+          + (f"; LEFT RUNNING: {[p['pid'] for p in left]}" if left else ""), file=sys.stderr, flush=True)
+    return 0
+
+
 # ================================================================ NVML
 class Gpu:
     """NVML view of one physical GPU; `available` False (with `reason`) where NVML cannot be used.
@@ -884,11 +1121,15 @@ class Tuner:
         self.server: ServerHandle | None = None
         self.bench: subprocess.Popen | None = None
         self.interrupted: Interrupted | None = None
+        self.run_id = uuid.uuid4().hex
+        self.pidfile = pidfile
+        self.watchdog: tuple[subprocess.Popen, int] | None = None
         self.records = [{"name": p.name, "profile": p.to_json(), "status": "pending", "failure": None,
                          "dir": p.name, "measurements": []} for p in profiles]
         self.run = {
             "kind": "openjev-tune-run",
             "schema_version": 1,
+            "run_id": self.run_id,
             "phase": "waiting-idle",
             "phase_since": utc_now(),
             "current_profile": None,
@@ -915,6 +1156,9 @@ class Tuner:
             },
             "profiles": self.records,
             "measurements": [],
+            # every server and bench started: {"role", "profile", "pid", "start_time"}; each also carries
+            # OPENJEV_TUNE_RUN=run_id in its environment, inherited by its own children
+            "children": [],
             "finished_at": None,
             "exit_code": None,
             "error": None,
@@ -952,9 +1196,17 @@ class Tuner:
             say(f"{signal.Signals(signum).name} again: already stopping")
 
     # ------------------------------------------------------------ main loop
+    def child_env(self, extra: dict) -> dict:
+        return {**os.environ, **extra, RUN_ENV: self.run_id, OUT_ENV: str(self.out)}
+
+    def note_child(self, role: str, profile: str, pid: int) -> None:
+        self.run["children"].append({"role": role, "profile": profile, "pid": pid, "start_time": process_start_time(pid)})
+
     def execute(self) -> int:
         self.out.mkdir(parents=True)
         self.save()
+        self.watchdog = start_watchdog(self.out, self.run_id, self.pidfile)
+        self.run["tuner"]["watchdog_pid"] = self.watchdog[0].pid if self.watchdog else None
         say(f"{len(self.profiles)} profile(s) on GPU {self.args.gpu}, port {self.args.port}; record {self.out / 'run.json'}")
         if not self.gpu.available:
             say(f"NVML not available ({self.gpu.reason}): idle wait skipped and GPU exclusivity NOT checked")
@@ -1137,7 +1389,9 @@ class Tuner:
                          "cwd": str(REPO_ROOT), "log": str(log_path.relative_to(self.out)), "started_at": utc_now()}
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    env={**os.environ, **given}, cwd=REPO_ROOT, start_new_session=True)
+                                    env=self.child_env(given), cwd=REPO_ROOT, start_new_session=True,
+                                    preexec_fn=child_preexec(signal.SIGTERM, os.getpid()))
+        self.note_child(f"server of profile {prof.name}", prof.name, proc.pid)
         self.server = ServerHandle(proc, log_path)
         self.server.track()
         rec["server"]["pid"] = proc.pid
@@ -1216,7 +1470,9 @@ class Tuner:
         with open(pdir / f"{stem}.bench.log", "ab") as log:
             self.bench = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                           cwd=REPO_ROOT, start_new_session=True,
-                                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                          env=self.child_env({"PYTHONUNBUFFERED": "1"}),
+                                          preexec_fn=child_preexec(signal.SIGKILL, os.getpid()))
+        self.note_child(f"bench {name}/{s.name}/{mode}", name, self.bench.pid)
         interrupted = None
         try:
             code = self._wait_bench(m, t0)
@@ -1322,6 +1578,9 @@ def resolve_server_cmd() -> list[str]:
 
 def validate(args: argparse.Namespace) -> tuple[list[Profile], list[InputSet]]:
     """Every refusal that needs no process: one line each, before anything is created."""
+    missing = [f"--{k}" for k in ("gpu", "port", "out") if getattr(args, k) is None]
+    if missing:
+        raise UserError(f"the following arguments are required: {', '.join(missing)} (or --status DIR)")
     if args.port == PRODUCTION_PORT:
         raise UserError(f"--port {PRODUCTION_PORT} is the production endpoint; tune on another port (e.g. 31001)")
     if not 1 <= args.port <= 65535:
@@ -1348,14 +1607,36 @@ def validate(args: argparse.Namespace) -> tuple[list[Profile], list[InputSet]]:
     return profiles, sets
 
 
+def status_main(out: Path) -> int:
+    out = out.expanduser().absolute()
+    if not out.is_dir():
+        raise UserError(f"--status {out}: no such directory")
+    info = inspect_run(out)
+    if info["run"] is None:
+        raise UserError(f"--status {out}: {info['text']}")
+    run = info["run"]
+    print(info["text"])
+    print(f"  phase {run.get('phase')!r} since {run.get('phase_since')}; current profile {run.get('current_profile')}")
+    for rec in run.get("profiles") or []:
+        print(f"  profile {rec.get('name')}: {rec.get('status')}" + (f" ({rec['failure']})" if rec.get("failure") else "")
+              + f", {len(rec.get('measurements') or [])} measurement(s)")
+    return 0
+
+
 def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == WATCHDOG_FLAG:
+        return watchdog_main(sys.argv[2:])
     args = build_parser().parse_args()
+    if args.status is not None:
+        return status_main(args.status)
     profiles, sets = validate(args)
     pidfile, log_path = pid_paths(args.out)
     stale = claim_pidfile_if_needed(args, pidfile, log_path)
     try:
         if args.out.exists():
-            raise UserError(f"output directory {args.out} already exists; the tuner only writes a new one")
+            why = inspect_run(args.out)["text"] if (args.out / "run.json").exists() else ""
+            raise UserError(f"output directory {args.out} already exists; the tuner only writes a new one"
+                            + (f" ({why})" if why else ""))
         if not args.model.is_dir():
             raise UserError(f"model directory {args.model} not found (--model, default $OPENJEV_V100_ROOT/model)")
         if not BENCH_SCRIPT.is_file():
@@ -1363,7 +1644,9 @@ def main() -> int:
         set_checks = {s.name: check_set_files(s, args.truncate) for s in sets}
         server_cmd = resolve_server_cmd()
         if not port_is_free("127.0.0.1", args.port):
-            raise UserError(f"port {args.port} on 127.0.0.1 is already in use; choose a free port for the candidates")
+            holder = describe_port_holder(args.port)
+            raise UserError(f"port {args.port} on 127.0.0.1 is already in use" + (f", {holder}" if holder else "")
+                            + "; choose a free port for the candidates")
         gpu = Gpu(args.gpu)
     except BaseException:
         release_pidfile(pidfile)
@@ -1383,6 +1666,7 @@ def main() -> int:
         return tuner.execute()
     finally:
         release_pidfile(pidfile)
+        stop_watchdog(tuner.watchdog)
 
 
 def claim_pidfile_if_needed(args: argparse.Namespace, pidfile: Path, log_path: Path) -> str | None:

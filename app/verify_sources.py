@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
 """Verify the local adapter files against the sha256 pins in HF_SOURCE.json.
 
-Every file of the adapter package (HF_SOURCE.json `adapter.local_dir`, by default
-`sglang_openjev/`, `*.py` files) must be listed in `adapter.files` with its sha256, and every
-listed file must exist and match. A null pin is refused unless --allow-unpinned. The other
+Every file inside the adapter directory (HF_SOURCE.json `adapter.local_dir`, by default
+`sglang_openjev/`), whatever its name or kind, must be listed in `adapter.files` with its sha256,
+and every listed file must exist and match. Anything unlisted there fails verification: an
+extension module planted beside a .py (`routes.cpython-311-x86_64-linux-gnu.so` would be imported
+instead of routes.py), a `.pth`, `__pycache__/*.pyc` bytecode, data files, symlinks. Bytecode
+belongs outside the directory: the launcher and the test suite set PYTHONPYCACHEPREFIX. A null pin is refused unless --allow-unpinned. The other
 pins (runtime, FlashInfer, CUDA, PyTorch, Rust, protoc) are listed with their state; the scripts
 that download those verify them at the time they use them.
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from _common import REPO_ROOT, UserError, load_sources, run_main, sha256_file
@@ -48,9 +52,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def local_adapter_files(adapter_dir: Path) -> dict[str, str]:
-    return {p.relative_to(adapter_dir).as_posix(): sha256_file(p)
-            for p in sorted(adapter_dir.rglob("*.py")) if "__pycache__" not in p.parts}
+def local_adapter_files(adapter_dir: Path) -> dict[str, str | None]:
+    """Every non-directory entry under the adapter directory -> sha256 (None for symlinks and
+    special files, which can never match a pin). Symlinked directories are not followed."""
+    out: dict[str, str | None] = {}
+    for dirpath, dirnames, filenames in os.walk(adapter_dir):
+        base = Path(dirpath)
+        for name in filenames + [d for d in dirnames if (base / d).is_symlink()]:
+            path = base / name
+            rel = path.relative_to(adapter_dir).as_posix()
+            out[rel] = sha256_file(path) if (path.is_file() and not path.is_symlink()) else None
+    return dict(sorted(out.items()))
 
 
 def compare(pins: dict[str, str | None], local: dict[str, str], allow_unpinned: bool) -> list[dict]:
@@ -60,8 +72,10 @@ def compare(pins: dict[str, str | None], local: dict[str, str], allow_unpinned: 
         pin, have = pins.get(name, "<unlisted>"), local.get(name)
         if name not in pins:
             status = "unlisted"
-        elif have is None:
+        elif name not in local:
             status = "missing"
+        elif have is None:
+            status = "mismatch"  # a symlink or special file where a pinned file belongs
         elif pin is None:
             status = "unpinned-allowed" if allow_unpinned else "unpinned"
         else:
@@ -97,8 +111,13 @@ def main() -> int:
         raise UserError(f"no adapter files found under {adapter_dir}")
     if bad:
         first = bad[0]
+        listed = ", ".join(f"{r['file']} ({r['status']})" for r in bad[:10])
+        more = f" and {len(bad) - 10} more" if len(bad) > 10 else ""
         raise UserError(f"{len(bad)} adapter file(s) failed verification; first: {first['file']} is {first['status']}"
-                        + (" (pass --allow-unpinned to accept null pins)" if first["status"] == "unpinned" else ""))
+                        + (" (pass --allow-unpinned to accept null pins)" if first["status"] == "unpinned" else "")
+                        + f"; all: {listed}{more}"
+                        + ("; unlisted files in the adapter directory may be imported (remove them)"
+                           if any(r["status"] == "unlisted" for r in bad) else ""))
     return 0
 
 

@@ -417,6 +417,119 @@ def test_rerun_on_finished_install_is_a_noop(tmp_path: Path, release: Release, s
     assert state == "differs" and "modified after install" in reason
 
 
+def _installed(tmp_path: Path, server, pinned: Path) -> tuple[Path, dict]:
+    root = tmp_path / "root"
+    assert run(root, server, pinned).returncode == 0
+    receipt = json.loads((root / "cuda126" / RECEIPT).read_text())
+    return root, receipt
+
+
+def _snapshot(tree: Path) -> dict[str, bytes | str]:
+    out = {}
+    for rel in tree_entries(tree):
+        p = tree / rel
+        out[rel] = "->" + os.readlink(p) if p.is_symlink() else p.read_bytes()
+    return out
+
+
+def assert_refused_untouched(root: Path, server, pinned: Path, *needles: str, extra: tuple[str, ...] = ()) -> str:
+    before = _snapshot(root / "cuda126")
+    n = len(server.requests)
+    line = assert_failed_one_line(run(root, server, pinned, *extra), "modified after install", "--force", *needles)
+    assert "already installed" not in line
+    assert _snapshot(root / "cuda126") == before  # nothing deleted, nothing repaired
+    assert [r.path for r in server.requests[n:]] == [MANIFEST_PATH]
+    return line
+
+
+def test_receipt_lists_every_installed_file_with_size_and_sha256(tmp_path: Path, release: Release, server, pinned):
+    root, receipt = _installed(tmp_path, server, pinned)
+    tree = root / "cuda126"
+    files = receipt["files"]
+    assert receipt["schema"] == "openjev.cuda_receipt/2"
+    assert set(files) == release.expected_files() - {RECEIPT}
+    assert receipt["installed_files"] == len(files)
+    ptxas = COMPONENTS["cuda_nvcc"][1]["bin/ptxas"][0]
+    assert files["bin/ptxas"]["size"] == len(ptxas)
+    assert files["bin/ptxas"]["sha256"] == hashlib.sha256(ptxas).hexdigest()
+    assert files["lib/libcudart.so"] == {"symlink": "libcudart.so.12"} and files["lib64"] == {"symlink": "lib"}
+    for rel, entry in files.items():
+        if "sha256" in entry:
+            assert entry["sha256"] == hashlib.sha256((tree / rel).read_bytes()).hexdigest(), rel
+            assert entry["mtime_ns"] == os.lstat(tree / rel).st_mtime_ns
+
+
+def test_same_size_edit_with_mtime_kept_is_caught_by_verify(tmp_path: Path, release: Release, server, pinned):
+    root, _ = _installed(tmp_path, server, pinned)
+    nvcc = root / "cuda126/bin/nvcc"
+    st = nvcc.stat()
+    data = nvcc.read_bytes()
+    nvcc.write_bytes(data.replace(b"release 12.6", b"release 99.9"))  # same size, other content
+    os.utime(nvcc, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert nvcc.stat().st_size == len(data)
+    # the default check (size and mtime) cannot see this edit: documented; --verify hashes
+    assert "already installed" in run(root, server, pinned).stdout
+    line = assert_refused_untouched(root, server, pinned, "changed bin/nvcc", "sha256", extra=("--verify",))
+    assert "1 files differ" in line
+    # an edit that changes the mtime is caught without --verify
+    nvcc.write_bytes(data.replace(b"release 12.6", b"release 99.9"))
+    os.utime(nvcc, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+    assert_refused_untouched(root, server, pinned, "changed bin/nvcc", "size and mtime")
+
+
+def test_size_change_is_refused_without_verify(tmp_path: Path, release: Release, server, pinned):
+    root, _ = _installed(tmp_path, server, pinned)
+    header = root / "cuda126/include/cuda.h"
+    st = header.stat()
+    header.write_bytes(b"#define CUDA_VERSION 120600\n")  # one byte longer
+    os.utime(header, ns=(st.st_atime_ns, st.st_mtime_ns))  # even with the mtime put back
+    assert_refused_untouched(root, server, pinned, "changed include/cuda.h")
+
+
+def test_swapped_file_and_retargeted_link_are_refused(tmp_path: Path, release: Release, server, pinned):
+    root, _ = _installed(tmp_path, server, pinned)
+    tree = root / "cuda126"
+    os.replace(tree / "bin/ptxas", tree / "bin/ptxas.orig")
+    (tree / "bin/ptxas").write_bytes(b"\x7fELF someone else's ptxas")
+    (tree / "lib/libcudart.so").unlink()
+    os.symlink("/usr/lib/libcudart.so", tree / "lib/libcudart.so")
+    line = assert_refused_untouched(root, server, pinned, "changed bin/ptxas", "added bin/ptxas.orig",
+                                    "changed lib/libcudart.so", extra=("--verify",))
+    assert "3 files differ" in line
+
+
+def test_removed_and_added_files_are_refused_and_listed_at_most_ten(tmp_path: Path, release: Release, server, pinned):
+    root, _ = _installed(tmp_path, server, pinned)
+    tree = root / "cuda126"
+    (tree / "include/cub/cub.cuh").unlink()
+    line = assert_refused_untouched(root, server, pinned, "removed include/cub/cub.cuh")
+    assert "1 files differ" in line
+    for i in range(12):
+        (tree / f"lib/extra{i:02d}.so").write_bytes(b"planted")
+    line = assert_refused_untouched(root, server, pinned, "removed include/cub/cub.cuh", "added lib/extra00.so",
+                                    "and 3 more", extra=("--verify",))
+    assert "13 files differ" in line and "lib/extra11.so" not in line
+    # --force replaces it with a clean tree
+    proc = run(root, server, pinned, "--force")
+    assert proc.returncode == 0, proc.stderr
+    assert tree_entries(tree) == release.expected_files()
+    assert "already installed" in run(root, server, pinned, "--verify").stdout
+
+
+def test_receipt_without_file_list_is_refused_with_reinstall_advice(tmp_path: Path, release: Release, server, pinned):
+    root, receipt = _installed(tmp_path, server, pinned)
+    del receipt["files"]
+    receipt["schema"] = "openjev.cuda_receipt/1"
+    (root / "cuda126" / RECEIPT).write_text(json.dumps(receipt))
+    for extra in ((), ("--verify",)):
+        before = _snapshot(root / "cuda126")
+        line = assert_failed_one_line(run(root, server, pinned, *extra), "without the per-file list",
+                                      "reinstall", "--force")
+        assert _snapshot(root / "cuda126") == before
+    assert "--verify" in subprocess.run([PYTHON, SCRIPT, "--help"], capture_output=True, text=True,
+                                        timeout=30).stdout
+
+
 def test_leftovers_of_killed_runs_are_cleaned_or_restored(tmp_path: Path):
     console = cuda.Console(quiet=True)
     (tmp_path / ".cuda126-staging-41/bin").mkdir(parents=True)

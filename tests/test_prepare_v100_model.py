@@ -101,9 +101,11 @@ def test_rerun_after_checkpoint_gains_a_file_rebuilds_atomically(tiny_model, tmp
 @pytest.mark.parametrize("edit,words", [
     (lambda c: c.update(num_labels=2, id2label={"0": "contradiction", "1": "entailment"}), ["3-label"]),
     (lambda c: c.update(model_type="llama"), ["model_type", "llama"]),
+    (lambda c: c.update(model_type="qwen3_5_text", architectures=["Qwen3_5TextForSequenceClassification"]),
+     ["qwen3_5_text", "launcher refuses it too"]),
     (lambda c: c.update(architectures=["Qwen3_5ForCausalLM"]), ["architectures"]),
     (lambda c: c.update(id2label={"0": "entailment", "1": "contradiction", "2": "neutral"}), ["id2label"]),
-], ids=["two-labels", "not-qwen3.5", "not-a-classifier", "wrong-label-order"])
+], ids=["two-labels", "not-qwen3.5", "text-only", "not-a-classifier", "wrong-label-order"])
 def test_refuses_a_checkpoint_that_is_not_openjev(tiny_model, tmp_path, edit, words):
     ckpt = copy_checkpoint(tiny_model, tmp_path, edit)
     before = tree_digest(ckpt)
@@ -273,3 +275,140 @@ def test_help_documents_the_options():
     assert proc.returncode == 0
     for flag in ("--processor-dir", "--sources", "--allow-unpinned", "--replace", "OPENJEV_V100_ROOT"):
         assert flag in proc.stdout
+
+
+# ---------------------------------------------------------------- issue 12: incomplete checkpoints, carried configs
+def _shard(ckpt: Path) -> None:
+    """Turn the single-file checkpoint into a 1-shard indexed one (real bytes, renamed)."""
+    (ckpt / "model.safetensors").rename(ckpt / "model-00001-of-00002.safetensors")
+    (ckpt / "model-00002-of-00002.safetensors").write_bytes(
+        (ckpt / "model-00001-of-00002.safetensors").read_bytes())
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+        "score.weight": "model-00001-of-00002.safetensors", "model.norm.weight": "model-00002-of-00002.safetensors"}}))
+
+
+@pytest.mark.parametrize("remove,words", [
+    (("model.safetensors",), ("incomplete", "model.safetensors (no weights")),
+    (("tokenizer.json",), ("incomplete", "tokenizer.json")),
+    (("tokenizer_config.json", "tokenizer.json"), ("incomplete", "tokenizer_config.json, tokenizer.json")),
+])
+def test_refuses_an_incomplete_checkpoint_with_the_list(tiny_model, tmp_path, remove, words):
+    ckpt = copy_checkpoint(tiny_model, tmp_path)
+    for name in remove:
+        (ckpt / name).unlink()
+    out = tmp_path / "model"
+    proc = run_script("prepare_v100_model.py", ckpt, out, "--processor-dir", tiny_model["processor"],
+                      "--allow-unpinned")
+    assert_refused(proc, out, *words)
+
+
+def test_sharded_checkpoint_needs_every_shard_its_index_names(tiny_model, tmp_path):
+    ckpt = copy_checkpoint(tiny_model, tmp_path)
+    _shard(ckpt)
+    out = tmp_path / "model"
+    args = ("prepare_v100_model.py", ckpt, out, "--processor-dir", tiny_model["processor"], "--allow-unpinned")
+    (ckpt / "model-00002-of-00002.safetensors").unlink()
+    assert_refused(run_script(*args), out, "incomplete", "model-00002-of-00002.safetensors")
+    assert "model-00001" not in error_lines(run_script(*args).stderr)[0]
+    (ckpt / "model-00002-of-00002.safetensors").write_bytes((ckpt / "model-00001-of-00002.safetensors").read_bytes())
+    proc = run_script(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "model-00002-of-00002.safetensors").is_symlink()
+
+
+def test_missing_checkpoint_files_pure():
+    from prepare_v100_model import missing_checkpoint_files
+    full = {"config.json", "tokenizer_config.json", "tokenizer.json", "model.safetensors"}
+    assert missing_checkpoint_files(full, None) == []
+    assert missing_checkpoint_files(full - {"tokenizer.json"} | {"vocab.json", "merges.txt"}, None) == []
+    assert missing_checkpoint_files({"config.json"}, {"weight_map": {}})[-1].startswith("model.safetensors.index.json")
+    assert missing_checkpoint_files(full, {"weight_map": {"a": "s1", "b": "s2", "c": "s1"}}) == ["s1", "s2"]
+
+
+def test_processor_config_carried_by_the_checkpoint_is_checked_against_the_pin(tiny_model, tmp_path):
+    ckpt = copy_checkpoint(tiny_model, tmp_path)
+    for name in ("preprocessor_config.json", "video_preprocessor_config.json"):
+        shutil.copy(tiny_model["processor"] / name, ckpt / name)
+    pins = real_pins(tiny_model["processor"])
+    out = tmp_path / "model"
+    # the pinned bytes: accepted and recorded as pinned
+    proc = run_script("prepare_v100_model.py", ckpt, out, "--sources", sources_with(tmp_path, pins=pins))
+    assert proc.returncode == 0, proc.stderr
+    marker = json.loads((out / ".openjev_overlay.json").read_text())
+    assert {e["source"] for e in marker["processor_files"].values()} == {"checkpoint"}
+    assert all(e["pinned"] for e in marker["processor_files"].values())
+    shutil.rmtree(out)
+    # a carried config that differs from the pin: refused, then accepted only with --allow-unpinned (recorded)
+    cfg = json.loads((ckpt / "preprocessor_config.json").read_text())
+    cfg["image_mean"] = [0.0, 0.0, 0.0]
+    (ckpt / "preprocessor_config.json").write_text(json.dumps(cfg))
+    digest = hashlib.sha256((ckpt / "preprocessor_config.json").read_bytes()).hexdigest()
+    proc = run_script("prepare_v100_model.py", ckpt, out, "--sources", sources_with(tmp_path, pins=pins))
+    assert_refused(proc, out, "carries preprocessor_config.json", digest, pins["preprocessor_config.json"],
+                   "--allow-unpinned")
+    # a null pin for a carried config is refused as well
+    proc = run_script("prepare_v100_model.py", ckpt, out, "--sources", sources_with(tmp_path))
+    assert_refused(proc, out, "carries", "null", "--allow-unpinned")
+    proc = run_script("prepare_v100_model.py", ckpt, out, "--sources", sources_with(tmp_path, pins=pins),
+                      "--allow-unpinned")
+    assert proc.returncode == 0, proc.stderr
+    assert "unpinned processor configs accepted" in proc.stderr
+    entry = json.loads((out / ".openjev_overlay.json").read_text())["processor_files"]["preprocessor_config.json"]
+    assert entry["pinned"] is False and entry["sha256"] == digest and entry["accepted_by"] == "--allow-unpinned"
+
+
+def test_rebuild_never_deletes_a_file_it_did_not_create(tiny_model, tmp_path):
+    ckpt = copy_checkpoint(tiny_model, tmp_path)
+    out = tmp_path / "model"
+    args = ("prepare_v100_model.py", ckpt, out, "--processor-dir", tiny_model["processor"], "--allow-unpinned")
+    run_script(*args, check=True)
+    (out / "operator_notes.txt").write_text("mine\n")
+    assert run_script(*args).returncode == 0  # nothing changed: a no-op keeps the file
+    (ckpt / "generation_config.json").write_text("{}")  # the checkpoint changed: a rebuild is due
+    proc = run_script(*args)
+    assert proc.returncode != 0
+    (line,) = error_lines(proc.stderr)
+    assert "did not create" in line and "operator_notes.txt" in line
+    assert (out / "operator_notes.txt").read_text() == "mine\n"
+    assert not (out / "generation_config.json").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".model.")]
+
+
+def test_stale_partial_of_a_dead_run_is_cleaned_with_a_line(tiny_model, tmp_path):
+    import subprocess
+    import sys
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".model.partial-{dead.pid}"
+    (stale / "sub").mkdir(parents=True)
+    out = tmp_path / "model"
+    proc = run_script("prepare_v100_model.py", tiny_model["checkpoint"], out, "--processor-dir",
+                      tiny_model["processor"], "--allow-unpinned")
+    assert proc.returncode == 0, proc.stderr
+    assert f"removing .model.partial-{dead.pid}" in proc.stderr
+    assert not stale.exists() and out.is_dir()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions, so a read-only parent cannot be made")
+def test_read_only_parent_is_one_clear_line(tiny_model, tmp_path):
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    parent.chmod(0o555)
+    try:
+        proc = run_script("prepare_v100_model.py", tiny_model["checkpoint"], parent / "model", "--processor-dir",
+                          tiny_model["processor"], "--allow-unpinned")
+    finally:
+        parent.chmod(0o755)
+    assert proc.returncode == 1
+    (line,) = error_lines(proc.stderr)
+    assert "Traceback" not in proc.stderr and "ermission denied" in line
+
+
+def test_unwritable_out_location_is_one_clear_line(tiny_model, tmp_path):
+    (tmp_path / "afile").write_text("not a folder\n")  # OUT's parent is a file: an OSError as root too
+    proc = run_script("prepare_v100_model.py", tiny_model["checkpoint"], tmp_path / "afile" / "model",
+                      "--processor-dir", tiny_model["processor"], "--allow-unpinned")
+    assert proc.returncode == 1
+    (line,) = error_lines(proc.stderr)
+    assert "Traceback" not in proc.stderr and "afile" in line and "nothing was changed" in line
+    assert (tmp_path / "afile").read_text() == "not a folder\n"

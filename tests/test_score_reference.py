@@ -112,3 +112,40 @@ def test_custom_template_changes_the_ids(overlay, sample_tokens, tmp_path):
     proc = run_script("tokenize_nli.py", "--model", overlay, "--inputs", SAMPLE, "--out", tmp_path / "u.jsonl",
                       "--template", "{premise} {oops}")
     assert proc.returncode == 1 and "unknown field" in error_lines(proc.stderr)[0]
+
+
+def test_receipt_records_kernel_path_warmup_and_compute_bound(reference):
+    meta = json.loads((reference / "reference.json").read_text())
+    kp = meta["kernel_path"]  # CPU: Transformers' PyTorch fallback, with the reason recorded
+    assert kp["gdn"] == "torch-fallback" and kp["gdn_chunk_kernel"].endswith("torch_chunk_gated_delta_rule")
+    assert "cpu" in kp["selection"]["reason"] and kp["attn_implementation"]
+    assert meta["warmup"]["forwards"] == 2 and meta["workers"] == 1
+    cb = meta["compute_bound"]
+    assert cb["peak_fp16_tflops"] is None and cb["peak_dtype"] == "float32" and cb["peak_tflops"] > 0
+    assert cb["model_flops_per_pass"] > 0 and 0 < cb["fraction_of_peak"]
+    assert meta["rows_per_s"] > 0
+
+
+def test_workers_give_the_same_logits_bitwise(overlay, sample_tokens, reference, tmp_path):
+    proc = run_script("score_reference.py", "--model", overlay, "--tokens", sample_tokens, "--inputs", SAMPLE,
+                      "--out", tmp_path / "r2", "--workers", "2", "--no-peak")
+    assert proc.returncode == 0, proc.stderr
+    assert np.array_equal(np.load(tmp_path / "r2" / "reference.npy"), np.load(reference / "reference.npy"))
+    meta = json.loads((tmp_path / "r2" / "reference.json").read_text())
+    assert meta["workers"] == 2 and len(meta["warmup"]["per_worker"]) == 2 and meta["compute_bound"] is None
+
+
+def test_forced_torch_kernels_are_recorded(overlay, sample_tokens, tmp_path):
+    proc = run_script("score_reference.py", "--model", overlay, "--tokens", sample_tokens, "--out", tmp_path / "r",
+                      "--kernels", "torch", "--no-peak", "--warmup", "0")
+    assert proc.returncode == 0, proc.stderr
+    meta = json.loads((tmp_path / "r" / "reference.json").read_text())
+    assert "OPENJEV_KERNELS=torch" in meta["kernel_path"]["selection"]["reason"]
+    assert meta["warmup"]["forwards"] == 0
+
+
+@pytest.mark.parametrize("flag", [["--workers", "0"], ["--warmup", "-1"]])
+def test_bad_workers_or_warmup_are_refused(overlay, sample_tokens, tmp_path, flag):
+    proc = run_script("score_reference.py", "--model", overlay, "--tokens", sample_tokens, "--out", tmp_path / "r",
+                      *flag)
+    assert proc.returncode == 1 and error_lines(proc.stderr) and not (tmp_path / "r").exists()

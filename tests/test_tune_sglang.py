@@ -457,3 +457,101 @@ def test_stale_pid_files_are_reported_and_replaced(overlay, sample_tokens, refer
     (tmp_path / "t9.pid").write_text("not a pid file")
     r = run_tune(tune_args(overlay, sample_tokens, reference, tmp_path / "t9", free_port()), env)
     assert r.returncode == 1 and "unreadable" in error_lines(r.stderr)[0] and not (tmp_path / "t9").exists()
+
+
+# ================================================================ the tuner killed outright (issue 12)
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _kill_leftovers(procs) -> None:
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
+def test_sigkill_of_the_tuner_leaves_no_process_and_the_next_run_names_the_dead_run(overlay, sample_tokens, reference,
+                                                                                        tmp_path):
+    out, port = tmp_path / "tuning", free_port()
+    env = tune_env(tmp_path)
+    args = tune_args(overlay, sample_tokens, reference, out, port, "--profiles", "fcfs:4", "--repetitions", "200")
+    with open(tmp_path / "tuner.stderr", "wb") as err:
+        proc = subprocess.Popen(args, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
+    children: list[psutil.Process] = []
+    try:
+        wait_for(lambda: (r := run_json(out)) and r["phase"] == "benchmarking"
+                 and (out / "fcfs-4" / "S.cold.bench.log").exists(), 240, "the first bench")
+        time.sleep(1.0)  # the bench is sending requests now
+        children = _descendants(proc.pid)
+        roles = " ".join(" ".join(p.cmdline()) for p in children)
+        assert "bench_classify_v100.py" in roles and "serve_transformers.py" in roles, roles
+        proc.kill()  # SIGKILL: no handler runs in the tuner
+        proc.wait(10)
+        killed_at = time.monotonic()
+        wait_for(lambda: all(gone(p.pid) for p in children), 10, "every process of the run to end")
+        assert time.monotonic() - killed_at <= 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _kill_leftovers(children)
+    run = load(out / "run.json")  # valid JSON
+    assert run["tuner"]["pid"] == proc.pid
+    assert not (out / "fcfs-4" / "S.cold.json").exists()  # the bench did not write into the dead run
+
+    # the next invocation on the same DIR and port names the dead run
+    r = run_tune(args, env, timeout=60)
+    line = error_lines(r.stderr)[0]
+    assert r.returncode == 1 and str(out) in line and f"tuner pid {proc.pid}" in line and "is gone" in line, r.stderr
+    assert "still running" not in line  # nothing of it is left
+    # and so does --status
+    st = run_tune([PY, str(SCRIPT), "--status", str(out)], env, timeout=60)
+    assert st.returncode == 0, st.stderr
+    assert f"tuner pid {proc.pid} (started" in st.stdout and "is gone" in st.stdout, st.stdout
+    assert "no process of this run is running" in st.stdout and "phase 'tuner-died'" in st.stdout
+    assert run_json(out)["profiles"][0]["status"] == "interrupted"
+
+
+def test_a_port_held_by_a_process_of_a_dead_run_is_reported_with_its_run(overlay, sample_tokens, reference, tmp_path):
+    # what is left when every layer failed (e.g. the watchdog killed too and a server ignoring SIGTERM): a
+    # listener carrying the run's tag, and a run.json whose tuner is gone
+    dead_dir = tmp_path / "old-run"
+    dead_dir.mkdir()
+    tuner_pid = dead_pid()
+    (dead_dir / "run.json").write_text(json.dumps({
+        "kind": "openjev-tune-run", "run_id": "feedc0de", "phase": "benchmarking", "exit_code": None,
+        "updated_at": "2026-01-01T00:00:00Z", "current_profile": "fcfs-4",
+        "tuner": {"pid": tuner_pid, "start_time": 1.0, "started_at": "2026-01-01T00:00:00Z",
+                  "host": socket.gethostname()},
+        "children": [], "profiles": [{"name": "fcfs-4", "status": "running", "measurements": []}]}))
+    port = free_port()
+    holder = subprocess.Popen(
+        [PY, "-c", "import socket,sys,time; s=socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(1); "
+                   "print('up', flush=True); time.sleep(120)", str(port)],
+        env={**os.environ, tune.RUN_ENV: "feedc0de", tune.OUT_ENV: str(dead_dir)}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "up"
+        env = tune_env(tmp_path)
+        r = run_tune(tune_args(overlay, sample_tokens, reference, tmp_path / "new", port), env, timeout=60)
+        line = error_lines(r.stderr)[0]
+        assert r.returncode == 1 and f"port {port} on 127.0.0.1 is already in use" in line
+        assert f"held by pid {holder.pid}" in line and f"a process of tuner run {dead_dir}" in line
+        assert f"tuner pid {tuner_pid}" in line and "is gone" in line and f"kill -TERM {holder.pid}" in line
+        assert not (tmp_path / "new").exists()
+        # the same DIR: named as a dead run with its live process
+        r = run_tune(tune_args(overlay, sample_tokens, reference, dead_dir, free_port()), env, timeout=60)
+        line = error_lines(r.stderr)[0]
+        assert "already exists" in line and "is gone" in line and f"still running: pid {holder.pid}" in line
+        st = run_tune([PY, str(SCRIPT), "--status", str(dead_dir)], env, timeout=60)
+        assert st.returncode == 0 and f"end them with: kill -TERM {holder.pid}" in st.stdout, st.stdout + st.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+    st = run_tune([PY, str(SCRIPT), "--status", str(tmp_path / "nowhere")], env, timeout=60)
+    assert st.returncode == 1 and "no such directory" in error_lines(st.stderr)[0]
+    st = run_tune([PY, str(SCRIPT), "--port", "1"], env, timeout=60)
+    assert st.returncode == 1 and "--gpu, --out" in error_lines(st.stderr)[0]
