@@ -857,6 +857,23 @@ def write_outputs(paths: dict[str, Path], receipt: dict, passes: list[np.ndarray
     atomic_write_json(paths["json"], receipt)
 
 
+def pass_name(index: int, total: int) -> str:
+    """Human name of pass `index` (0-based, as in the receipt) of `total`: 'pass 1/4 (initial)',
+    'pass 3/4 (measured 2/3)'. Progress lines, error lines and the summary all use it."""
+    if index == 0:
+        return f"pass 1/{total} (initial)"
+    return f"pass {index + 1}/{total} (measured {index}/{total - 1})"
+
+
+def passes_done_text(sec: dict) -> str:
+    """'passes 2/4 done (1 initial + 1 of 3 measured)': counts of what completed, never of what was planned."""
+    planned = sec.get("passes_planned") or 1
+    done = sec.get("passes_done", 0)
+    measured = sec.get("measured_passes_done", max(0, done - 1))
+    initial = done - measured
+    return f"{done}/{planned} done ({initial} initial + {measured} of {planned - 1} measured)"
+
+
 def print_summary(r: dict, out: Path) -> None:
     mode = r["mode"]
     sec = r.get(mode) or {}
@@ -878,8 +895,7 @@ def print_summary(r: dict, out: Path) -> None:
     rows = [
         ("machine", r["machine"]),
         ("mode", mode + (" (flush before every pass)" if sec.get("flush_cache_before_each_pass") else "")),
-        ("passes", f"{sec.get('passes_done', 0)}/{sec.get('passes_planned')} done (1 initial + "
-                   f"{sec.get('passes_planned', 1) - 1} measured)"),
+        ("passes", passes_done_text(sec)),
         ("median wall", f"{f(t.get('median_wall_s'), '.3f')} s  (initial pass {f(t.get('initial_pass_wall_s'), '.3f')} s)"),
         ("pairs/s", f(t.get("pairs_per_s"), ".2f")),
         ("batch latency", f"p50 {f(lat.get('p50'), '.4f')} s, p99 {f(lat.get('p99'), '.4f')} s, "
@@ -998,7 +1014,7 @@ def main() -> int:
 
     # ---------------------------------------------------------- the server, before anything is sent
     try:
-        client.get_json("/health")
+        client.request("GET", "/health")  # any 2xx is up: SGLang's own /health answers with an empty body
         info = client.get_json("/server_info")
     except ServerFailure as exc:
         receipt["machine"] = derive_machine_label(args.machine_label, None, None, local, platform.platform(),
@@ -1045,11 +1061,13 @@ def main() -> int:
     ref_pe = entailment_prob(data.reference)
     pass_arrays: list[np.ndarray] = []
     server_failure = False
+    current = 0
     intr = _Interrupts()
     old_handlers = {sig: signal.signal(sig, intr.handler) for sig in (signal.SIGTERM, signal.SIGINT)}
     pool = ThreadPoolExecutor(max_workers=args.workers, thread_name_prefix="bench-client")
     try:
         for i in range(1 + args.repetitions):
+            current = i
             if intr.requested:
                 raise KeyboardInterrupt
             kind = "initial" if i == 0 else "measured"
@@ -1059,7 +1077,8 @@ def main() -> int:
                 try:
                     resp, *_ = client.request("POST", "/flush_cache")
                 except ServerFailure as exc:
-                    reasons.append(f"pass {i} ({kind}): /flush_cache failed: {exc}")
+                    reasons.append(f"{pass_name(i, 1 + args.repetitions)}: /flush_cache before it failed: {exc}; "
+                                   f"passes {passes_done_text(section)}")
                     server_failure = True
                     break
                 flush = {"status": resp.status_code, "s": round(time.perf_counter() - t0, 4)}
@@ -1068,7 +1087,7 @@ def main() -> int:
                 if intr.requested:
                     raise KeyboardInterrupt
                 p = run_pass(client, pool, bodies, offsets, len(data.rows), i, kind,
-                             f"{mode} pass {i + 1}/{1 + args.repetitions} ({kind})")
+                             f"{mode} {pass_name(i, 1 + args.repetitions)}")
             finally:
                 intr.armed = False
             p.flush = flush
@@ -1076,7 +1095,7 @@ def main() -> int:
             section["passes"].append(entry)
             receipt["server"]["model"] = receipt["server"]["model"] or p.model
             if p.logits is None:
-                reasons.append(f"pass {i} ({kind}) stopped: {p.error}")
+                reasons.append(f"{pass_name(i, 1 + args.repetitions)} stopped: {p.error}; passes {passes_done_text(section)}")
                 server_failure = True
                 break
             pass_arrays.append(p.logits)
@@ -1090,7 +1109,9 @@ def main() -> int:
             section["audit"]["passes_audited"] += 1
             _pass_line(entry, 1 + args.repetitions, mode)
     except KeyboardInterrupt:
-        reasons.append("interrupted (SIGINT/SIGTERM) during the passes")
+        name = pass_name(current, 1 + args.repetitions)
+        where = (f"during {name} (discarded)" if intr.in_pass else f"before {name}")
+        reasons.append(f"interrupted ({intr.signame}) {where}; passes {passes_done_text(section)}")
         server_failure = True
     finally:
         for sig, h in old_handlers.items():
@@ -1130,7 +1151,7 @@ def main() -> int:
     if au["failed"]:
         fl = au["failures"][0]
         reasons.insert(0, f"group audit failed: {au['failures_total']} choice(s) outside the reference winners; first: "
-                          f"pass {fl['pass']} group [{' '.join(fl['rows'])}] chose {' '.join(fl['candidate_choice'])}, "
+                          f"{pass_name(fl['pass'], 1 + args.repetitions)} group [{' '.join(fl['rows'])}] chose {' '.join(fl['candidate_choice'])}, "
                           f"outside winners [{' '.join(fl['reference_winners'])}]")
     code = decide_exit(au["failed"], server_failure, receipt["exclusive"]["valid"] if receipt["exclusive"] else None)
     code = finish(code, reasons[0] if code else None, pass_arrays)
@@ -1146,7 +1167,7 @@ def main() -> int:
 def _pass_line(entry: dict, total: int, mode: str) -> None:
     """One line per pass on stderr (the progress bar, on a TTY only, is cleared when its pass ends)."""
     ag, au = entry["agreement"], entry["audit"]
-    print(f"{mode} pass {entry['index'] + 1}/{total} ({entry['kind']}): {entry['rows']} rows in "
+    print(f"{mode} {pass_name(entry['index'], total)}: {entry['rows']} rows in "
           f"{entry['wall_s']:.3f} s, max |dp_e| {ag['max_abs_dp_e']:.3g}, argmax changes "
           f"{ag['argmax_changes_count']}, audit failures {au['failures_count']}, ties {au['ties_count']}",
           file=sys.stderr, flush=True)
@@ -1159,10 +1180,15 @@ class _Interrupts:
     def __init__(self):
         self.requested = False
         self.armed = False
+        self.in_pass = False  # the signal landed inside a pass (that pass is discarded)
+        self.signame = "SIGINT/SIGTERM"
 
     def handler(self, signum, frame):
+        if not self.requested:
+            self.signame = signal.Signals(signum).name
         self.requested = True
         if self.armed:
+            self.in_pass = True
             raise KeyboardInterrupt
 
 

@@ -280,6 +280,19 @@ def test_server_pid_must_be_the_server(server, mini, tmp_path):
     assert "reports pid" in error_lines(proc.stderr)[0] and not out.exists()
 
 
+def test_empty_health_body_counts_as_up(mini, tmp_path):
+    """SGLang's own GET /health answers 200 with an empty body (issue 17 run): the bench stopped there
+    with "GET /health did not answer JSON" before sending anything. Any 2xx now counts as up; this
+    loopback server has no /server_info, so the run stops at the next step, which names it."""
+    from _http_fixtures import LoopbackHTTPServer
+
+    with LoopbackHTTPServer({"/health": b""}) as srv:
+        proc = run_bench(srv.url.rstrip("/"), mini, tmp_path / "h.json", "--retries", 0)
+    lines = error_lines(proc.stderr)
+    assert proc.returncode == 4 and len(lines) == 1, proc.stderr
+    assert "/server_info" in lines[0] and "/health" not in lines[0], lines[0]
+
+
 def test_server_down_at_start_writes_an_incomplete_receipt(mini, tmp_path):
     out = tmp_path / "down.json"
     # an earlier run's files at OUT: --overwrite replaces the receipt and removes the stale arrays
@@ -652,3 +665,131 @@ def test_recorded_cpu_results_validate():
         pytest.skip("no recorded results in benchmarks/results_cpu/")
     proc = validate(results)
     assert proc.returncode == 0, proc.stderr
+
+
+# ---------------------------------------------------------------- interruptions: numbering and counts (issue 12)
+class DyingFront:
+    """A loopback HTTP front of the real embedded server, for interruptions at an exact point of the run.
+
+    Every request is forwarded to the server; at the `die_at`-th POST /classify the front dies like a killed
+    server (that request gets no answer, the listening socket closes: later connections are refused). At the
+    k-th POST /flush_cache, `on_flush(k)` runs before the request is forwarded (the bench is between passes
+    then: the flush comes before each pass with --cold-cache)."""
+
+    def __init__(self, upstream: str, die_at: int | None = None, on_flush=None):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        front = self
+        self.upstream, self.die_at, self.on_flush = upstream, die_at, on_flush
+        self.classify = self.flushes = 0
+        self.dead = False
+        self.lock = threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def _forward(self, method: str):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with front.lock:
+                    if not front.dead and method == "POST" and self.path == "/classify":
+                        front.classify += 1
+                        front.dead = front.classify == front.die_at
+                        if front.dead:
+                            threading.Thread(target=front.close, daemon=True).start()
+                    if method == "POST" and self.path == "/flush_cache":
+                        front.flushes += 1
+                        if front.on_flush:
+                            front.on_flush(front.flushes)
+                    dead = front.dead
+                if dead:
+                    self.close_connection = True
+                    return
+                r = requests.request(method, front.upstream + self.path, data=body or None, timeout=60,
+                                     headers={"Content-Type": self.headers.get("Content-Type", "application/json")})
+                self.send_response(r.status_code)
+                self.send_header("Content-Type", r.headers.get("Content-Type", "application/json"))
+                self.send_header("Content-Length", str(len(r.content)))
+                self.end_headers()
+                self.wfile.write(r.content)
+
+            def do_GET(self):
+                self._forward("GET")
+
+            def do_POST(self):
+                self._forward("POST")
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+        self.closed = False
+
+    def close(self):
+        if not self.closed:
+            self.closed = True
+            self.httpd.shutdown()
+            self.httpd.server_close()
+
+
+def run_interrupted_bench(front, mini, out, *extra) -> tuple[subprocess.Popen, str, str]:
+    """3 passes (1 initial + 2 measured) of 4 requests each, one worker: request n belongs to pass (n-1)//4 + 1."""
+    cmd = [PY, str(APP / BENCH), "--url", front.url, "--inputs", mini["inputs"], "--tokens", mini["tokens"],
+           "--reference", mini["reference"], "--out", out, "--truncate", TRUNCATE, "--batch-size", 3, "--workers", 1,
+           "--repetitions", 2, "--retries", 1, *extra]
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    front.bench = proc
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        front.close()
+    return proc, stdout, stderr
+
+
+@pytest.mark.parametrize("die_at,stopped,done,measured", [
+    (1, "pass 1/3 (initial) stopped", 0, 0),         # the server dies in the initial pass
+    (5, "pass 2/3 (measured 1/2) stopped", 1, 0),    # ... in the first measured pass
+    (9, "pass 3/3 (measured 2/2) stopped", 2, 1),    # ... in the last pass (the measured defect)
+])
+def test_server_death_names_the_pass_that_ran_and_counts_what_completed(server, mini, tmp_path, die_at, stopped,
+                                                                         done, measured):
+    front = DyingFront(server.url, die_at=die_at)
+    out = tmp_path / "died.json"
+    proc, stdout, stderr = run_interrupted_bench(front, mini, out)
+    assert proc.returncode == 4, stderr
+    line = error_lines(stderr)[0]
+    counts = f"{done}/3 done ({min(done, 1)} initial + {measured} of 2 measured)"
+    assert stopped in line and f"passes {counts}" in line, line
+    progress = [l.split(":")[0] for l in stderr.splitlines() if l.startswith("warm pass ")]
+    assert progress == ["warm pass 1/3 (initial)", "warm pass 2/3 (measured 1/2)"][:done]
+    if done:
+        assert any(l.split() == ["passes", *counts.split()] for l in stdout.splitlines()), stdout
+    r = receipt_of(out)
+    assert (r["warm"]["passes_done"], r["warm"]["measured_passes_done"]) == (done, measured)
+    assert r["warm"]["timing"]["measured_passes"] == measured
+    assert validate(out).returncode == 0
+
+
+@pytest.mark.parametrize("at_flush,before,done,measured", [
+    (2, "before pass 2/3 (measured 1/2)", 1, 0),
+    (3, "before pass 3/3 (measured 2/2)", 2, 1),
+])
+def test_sigterm_between_passes_names_the_next_pass_and_counts_what_completed(server, mini, tmp_path, at_flush, before,
+                                                                               done, measured):
+    front = DyingFront(server.url)
+    front.on_flush = lambda k: k == at_flush and front.bench.send_signal(signal.SIGTERM)
+    out = tmp_path / "term.json"
+    proc, stdout, stderr = run_interrupted_bench(front, mini, out, "--cold-cache")
+    assert proc.returncode == 4, stderr
+    line = error_lines(stderr)[0]
+    counts = f"{done}/3 done (1 initial + {measured} of 2 measured)"
+    assert f"interrupted (SIGTERM) {before}; passes {counts}" in line, line
+    assert f"{counts}" in stdout
+    r = receipt_of(out)
+    assert (r["cold"]["passes_done"], r["cold"]["measured_passes_done"]) == (done, measured)
+    assert validate(out).returncode == 0
