@@ -26,6 +26,9 @@ usage: install_units.sh [--root DIR] [--bundle DIR] [--model DIR] [--user NAME] 
                         [--backend sglang|transformers] [--env KEY=VALUE]... [--haproxy PATH]
                         [--system] [--unit-dir DIR] [--conf-dir DIR]
                         [--force] [--dry-run] [--no-verify] [--help]
+                        [--local-address ADDR] [--remote [NAME=]HOST:PORT]... [--peer-listen ADDR:PORT]
+                        [--tls-dir DIR] [--peer-client-cn CN] [--prefix-affinity N] [--hash-balance-factor F]
+                        [--bench-timer CALENDAR --bench-args ARGS [--bench-python PATH]]
 
 Render the production deployment of DEPLOYMENT-eva01.md from the templates in deploy/:
   UNIT_DIR/openjev-gateway.socket    systemd holds 127.0.0.1:PORT (the production endpoint)
@@ -39,7 +42,8 @@ stand-in socket on fd 3) and install them. Nothing is written unless every check
 Prints the systemctl commands that enable and start the service; starts nothing itself.
 
 Options (defaults in brackets)
-  --root DIR             bundle root [$OPENJEV_V100_ROOT or ~/storage/sglang-openjev-v100]
+  --root DIR             bundle root [$OPENJEV_V100_ROOT or ~/storage/sglang-openjev-v100]; the replicas'
+                         working directory: created when missing (mode 0755, owned by --user)
   --bundle DIR           checkout holding app/serve_sglang_v100.sh [the one holding this script]
   --model DIR            model overlay the replicas serve [ROOT/model]
   --user NAME            account the service runs as [the current user]; user units always run
@@ -59,7 +63,35 @@ Options (defaults in brackets)
   --force                replace existing files that differ (default: refuse and list them)
   --dry-run              print every rendered file and run the checks; write nothing
   --no-verify            skip systemd-analyze verify and haproxy -c (not recommended)
+  --bench-timer CALENDAR opt-in scheduled benchmark (issue 13): also render UNIT_DIR/openjev-bench.service
+                         (oneshot: app/bench_scheduled_v100.py --checkpoint MODEL ARGS) and
+                         UNIT_DIR/openjev-bench.timer (OnCalendar=CALENDAR, e.g. "*-*-* 03:17:00",
+                         Persistent=true, RandomizedDelaySec=10min); enable with
+                         systemctl [--user] enable --now openjev-bench.timer
+  --bench-args ARGS      the rest of the bench command, split at spaces: --history DIR --gpu N --port P
+                         --set NAME=INPUTS,TOKENS,REFDIR ... (required with --bench-timer)
+  --bench-python PATH    Python that runs it [ROOT/venv/bin/python]
   -h, --help             this help
+
+Several hosts (DEPLOYMENT-eva01.md §12; certificates from deploy/openjev_certs.sh)
+  --remote [NAME=]HOST:PORT  front gateway: also send requests to the peer listener of another
+                         host, over mutual TLS: its certificate must chain to TLS_DIR/ca.crt and
+                         name NAME (default HOST; required when HOST is an IP address); this
+                         gateway shows TLS_DIR/gateway-client.pem. Health-checked through the
+                         tunnel, same retries/redispatch and balance as local replicas (repeatable)
+  --peer-listen ADDR:PORT  peer host: accept mutual-TLS connections on ADDR:PORT (an IPv4 address
+                         of this host) from the gateway's client certificate only (CA
+                         TLS_DIR/ca.crt, CN --peer-client-cn) and forward them to this host's
+                         replicas; this host presents TLS_DIR/peer.pem. Not with --remote
+  --tls-dir DIR          ca.crt, peer.pem, gateway-client.pem; keys mode 0600 [ROOT/tls]
+  --peer-client-cn CN    client certificate CN a peer listener accepts [openjev-gateway]
+  --prefix-affinity N    route requests whose first row shares its first N token ids to the
+                         same replica or host (consistent hash of that prefix, bounded load)
+                         instead of leastconn; 0 = off [0]
+  --hash-balance-factor F  with --prefix-affinity: a server holding more than F% of the average
+                         load is skipped for the next one on the hash ring; 0 = no bound [150]
+  --local-address ADDR   the loopback address of the endpoint socket, stats and replicas, in
+                         127.0.0.0/8 [127.0.0.1]; others are for tests playing several hosts
 
 Exit status: 0 on success; 1 with one line on stderr when refused or a check fails; 2 for
 usage errors. Needs: bash, awk, systemd-analyze (Debian package systemd), haproxy >= 2.6
@@ -112,6 +144,10 @@ ROOT_ARG="" BUNDLE_ARG="" MODEL_ARG="" USER_ARG="" GPUS_ARG=0,1
 PORT=31000 REPLICA_BASE=31100 STATS_PORT=31090 BACKEND=sglang HAPROXY_ARG=""
 SYSTEM=0 UNIT_DIR_ARG="" CONF_DIR_ARG="" FORCE=0 DRY_RUN=0 VERIFY=1
 EXTRA_ENV=()
+# Several hosts (multihost_* below)
+REMOTES=() PEER_LISTEN="" TLS_DIR_ARG="" PEER_CLIENT_CN=openjev-gateway PREFIX_AFFINITY=0 LOCAL_ADDRESS=127.0.0.1
+HASH_BALANCE_FACTOR=150
+BENCH_TIMER="" BENCH_ARGS="" BENCH_PYTHON_ARG=""
 
 need_value() {
     if (($2 < 2)) || [[ -z $3 || $3 == --* ]]; then usage_error "$1 needs a value"; fi
@@ -137,6 +173,16 @@ while (($#)); do
         --force) FORCE=1 ;;
         --dry-run) DRY_RUN=1 ;;
         --no-verify) VERIFY=0 ;;
+        --remote) need_value "$1" $# "${2:-}"; REMOTES+=("$2"); shift ;;
+        --peer-listen) need_value "$1" $# "${2:-}"; PEER_LISTEN=$2; shift ;;
+        --tls-dir) need_value "$1" $# "${2:-}"; TLS_DIR_ARG=$2; shift ;;
+        --peer-client-cn) need_value "$1" $# "${2:-}"; PEER_CLIENT_CN=$2; shift ;;
+        --prefix-affinity) need_value "$1" $# "${2:-}"; PREFIX_AFFINITY=$2; shift ;;
+        --hash-balance-factor) need_value "$1" $# "${2:-}"; HASH_BALANCE_FACTOR=$2; shift ;;
+        --local-address) need_value "$1" $# "${2:-}"; LOCAL_ADDRESS=$2; shift ;;
+        --bench-timer) need_value "$1" $# "${2:-}"; BENCH_TIMER=$2; shift ;;
+        --bench-args) (($# >= 2)) && [[ -n $2 ]] || usage_error "--bench-args needs a value"; BENCH_ARGS=$2; shift ;;
+        --bench-python) need_value "$1" $# "${2:-}"; BENCH_PYTHON_ARG=$2; shift ;;
         *) usage_error "unknown argument '$1'" ;;
     esac
     shift
@@ -196,6 +242,168 @@ for pair in "--root:$ROOT" "--bundle:$BUNDLE" "--model:$MODEL" "--conf-dir:$CONF
 done
 # The admin socket path (RuntimeDirectory + name) must fit in sun_path; CONF_DIR paths do not matter.
 
+# ------------------------------------------------------------------ several hosts (issue 16)
+# A front gateway (--remote) or a peer listener (--peer-listen), mutual TLS between them; every
+# function below is only about that (DEPLOYMENT-eva01.md §12).
+is_ipv4() {
+    local o
+    [[ $1 =~ ^([0-9]{1,3})\.([0-9]{1,3})\.([0-9]{1,3})\.([0-9]{1,3})$ ]] || return 1
+    for o in "${BASH_REMATCH[@]:1}"; do ((10#$o <= 255)) || return 1; done
+}
+
+is_hostname() {
+    [[ $1 =~ ^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$ ]]
+}
+
+# Validate the multi-host options; sets TLS_DIR, REMOTE_SERVERS, PEER_ADDR, PEER_PORT, REPLICA_HOST_ARGS.
+multihost_settings() {
+    local spec name hostport host port
+    is_ipv4 "$LOCAL_ADDRESS" && [[ $LOCAL_ADDRESS == 127.* ]] ||
+        usage_error "--local-address must be an IPv4 address in 127.0.0.0/8 (replicas, endpoint and stats stay on loopback), got '$LOCAL_ADDRESS'"
+    REPLICA_HOST_ARGS=""
+    [[ $LOCAL_ADDRESS == 127.0.0.1 ]] || REPLICA_HOST_ARGS="--host $LOCAL_ADDRESS"
+    [[ $PREFIX_AFFINITY =~ ^[0-9]{1,4}$ ]] && ((10#$PREFIX_AFFINITY <= 8192)) ||
+        usage_error "--prefix-affinity must be a number of tokens from 0 (off) to 8192, got '$PREFIX_AFFINITY'"
+    PREFIX_AFFINITY=$((10#$PREFIX_AFFINITY))
+    [[ $HASH_BALANCE_FACTOR =~ ^[0-9]{1,5}$ ]] && { ((10#$HASH_BALANCE_FACTOR == 0)) || ((10#$HASH_BALANCE_FACTOR > 100)); } ||
+        usage_error "--hash-balance-factor must be 0 (no bound) or a percentage above 100, got '$HASH_BALANCE_FACTOR'"
+    HASH_BALANCE_FACTOR=$((10#$HASH_BALANCE_FACTOR))
+    is_hostname "$PEER_CLIENT_CN" || usage_error "--peer-client-cn must be a plain name (letters, digits, '.', '-'), got '$PEER_CLIENT_CN'"
+    if ((${#REMOTES[@]})) && [[ -n $PEER_LISTEN ]]; then
+        usage_error "--remote and --peer-listen exclude each other: a peer listener forwards to its own replicas only"
+    fi
+    TLS_DIR=$(abspath "${TLS_DIR_ARG:-$ROOT/tls}")
+    check_path --tls-dir "$TLS_DIR"
+    REMOTE_SERVERS=""
+    local -A seen=()
+    for spec in "${REMOTES[@]}"; do
+        name="" hostport=$spec
+        if [[ $spec == *=* ]]; then name=${spec%%=*} hostport=${spec#*=}; fi
+        [[ $hostport =~ ^([A-Za-z0-9.-]+):([0-9]+)$ ]] || usage_error "--remote wants [NAME=]HOST:PORT, got '$spec'"
+        host=${BASH_REMATCH[1]} port=${BASH_REMATCH[2]}
+        check_port "--remote $spec: PORT" "$port"
+        if [[ -z $name ]]; then
+            ! is_ipv4 "$host" || usage_error "--remote $spec: HOST is an IP address; name the host its certificate names: --remote NAME=$hostport"
+            name=$host
+        fi
+        is_hostname "$name" && ! is_ipv4 "$name" || usage_error "--remote $spec: NAME '$name' must be the DNS name in the peer's certificate"
+        [[ -z ${seen[$name]:-} ]] || usage_error "--remote names $name twice"
+        seen[$name]=1
+        # ssl + verify required: the peer must show a certificate of our CA naming NAME (verifyhost);
+        # crt: our client certificate, which the peer listener requires. Checks inherit the TLS settings.
+        # init-addr last,libc,none: a peer whose name does not resolve at start-up stays out of
+        # rotation instead of stopping the whole gateway (re-resolved on the next reload).
+        # observe layer4 ...: 10 failed connections in a row in live traffic take a peer out at
+        # once, without waiting for 3 failed checks (each failure is retried elsewhere anyway).
+        REMOTE_SERVERS+=$'\n'"    server peer-$name $host:$((10#$port)) ssl verify required ca-file $TLS_DIR/ca.crt crt $TLS_DIR/gateway-client.pem verifyhost $name sni str($name) ssl-min-ver TLSv1.2 alpn http/1.1 init-addr last,libc,none observe layer4 error-limit 10 on-error mark-down"
+    done
+    PEER_ADDR="" PEER_PORT=""
+    if [[ -n $PEER_LISTEN ]]; then
+        [[ $PEER_LISTEN =~ ^([0-9.]+):([0-9]+)$ ]] && PEER_ADDR=${BASH_REMATCH[1]} PEER_PORT=${BASH_REMATCH[2]} &&
+            is_ipv4 "$PEER_ADDR" || usage_error "--peer-listen wants ADDR:PORT with an IPv4 address of this host, got '$PEER_LISTEN'"
+        check_port "--peer-listen PORT" "$PEER_PORT"
+        PEER_PORT=$((10#$PEER_PORT))
+        if [[ $PEER_ADDR == "$LOCAL_ADDRESS" || $PEER_ADDR == 0.0.0.0 ]] && [[ -n ${SEEN_PORT[$PEER_PORT]:-} ]]; then
+            usage_error "--peer-listen port $PEER_PORT collides with ${SEEN_PORT[$PEER_PORT]}"
+        fi
+    fi
+}
+
+# The certificate files the rendered configuration names must exist (haproxy -c loads them) and
+# private keys must not be readable by others.
+multihost_check_tls() {
+    local f mode need=()
+    ((${#REMOTES[@]})) && need=(ca.crt gateway-client.pem)
+    [[ -n $PEER_LISTEN ]] && need=(ca.crt peer.pem)
+    for f in "${need[@]}"; do
+        if [[ ! -r $TLS_DIR/$f ]]; then
+            if ((DRY_RUN && !VERIFY)); then
+                printf '%s: warning: %s does not exist yet\n' "$PROG" "$TLS_DIR/$f" >&2
+                continue
+            fi
+            die "$TLS_DIR/$f is missing (make it with deploy/openjev_certs.sh, DEPLOYMENT-eva01.md §12, or give --tls-dir)"
+        fi
+        if [[ $f == *.pem ]]; then
+            mode=$(stat -c %a -- "$TLS_DIR/$f")
+            (((8#$mode & 8#077) == 0)) || die "$TLS_DIR/$f holds a private key but has mode $mode: chmod 600 it"
+        fi
+    done
+}
+
+# Placeholders of the multi-host parts (render() maps every exported R_* variable).
+multihost_render_vars() {
+    SERVERS+=$REMOTE_SERVERS
+    export R_LOCAL_ADDRESS=$LOCAL_ADDRESS R_TLS_DIR=$TLS_DIR R_PEER_CLIENT_CN=$PEER_CLIENT_CN \
+        R_PEER_ADDR=$PEER_ADDR R_PEER_PORT=$PEER_PORT
+    local lines
+    if ((PREFIX_AFFINITY == 0)); then
+        lines="    balance leastconn"
+    else
+        # The key: the first N ids of the first row of {"input_ids": [[...], ...]} or [...] (also
+        # "input"), whitespace removed; a body without ids hashes whole. '.' stands for the quotes,
+        # [,] avoids a bare comma and there is no '$' (HAProxy would expand it) in the expression.
+        local rx='(?s)^.*?.input(?:_ids)?.[[:space:]]*:[[:space:]]*[[][[:space:]]*[[]?[[:space:]]*((?:[0-9]+[[:space:]]*[,][[:space:]]*){0,'$((PREFIX_AFFINITY - 1))'}[0-9]+).*'
+        lines="    # --prefix-affinity $PREFIX_AFFINITY: requests whose first row starts with the same $PREFIX_AFFINITY ids go to
+    # the same server (consistent hash: a server leaving moves only its own keys).
+    http-request set-var(txn.openjev_prefix) \"req.body,regsub('$rx','\\\\1'),regsub('[[:space:]]+','','g')\"
+    balance hash var(txn.openjev_prefix)
+    hash-type consistent"
+        if ((HASH_BALANCE_FACTOR)); then
+            lines+="
+    # Bounded load: a server holding more than $HASH_BALANCE_FACTOR% of the average is skipped for the
+    # next one on the ring, so a hot prefix cannot pile up on one replica (--hash-balance-factor).
+    hash-balance-factor $HASH_BALANCE_FACTOR"
+        fi
+    fi
+    if ((${#REMOTES[@]})); then
+        # Front gateway: keep server connections open and reuse them (a peer listener is HAProxy,
+        # which sets TCP_NODELAY; the embedded backend does too). A new connection per request
+        # would cost a TLS handshake per request on both hosts (benchmarks/bench_multihost.py).
+        # A reused connection that turns out closed is retried like any failed connection.
+        lines+="
+    # Front gateway (--remote): server connections stay open between requests and are shared
+    # (a TLS handshake per request to a peer costs more than the hop itself; /classify is safe
+    # to send on any open connection, and one found closed is retried, see retry-on).
+    no option http-server-close
+    option http-keep-alive
+    http-reuse always"
+        # The connection mode is the stronger of frontend and backend: the frontend must not
+        # carry http-server-close (from defaults) either.
+        export R_FRONTEND_MODE="    # Front gateway (--remote): no http-server-close here either, or it would win over the
+    # backend's keep-alive (HAProxy applies the stronger mode of frontend and backend).
+    no option http-server-close"
+    else
+        export R_FRONTEND_MODE="    # Connections to replicas: one per request (option http-server-close in defaults)."
+    fi
+    export R_BALANCE=$lines
+}
+
+# After installing: what the other hosts need to know.
+multihost_next_steps() {
+    if [[ -n $PEER_LISTEN ]]; then
+        printf '\nPeer listener: %s:%s, mutual TLS (shows %s, accepts client CN=%s of %s).\n' \
+            "$PEER_ADDR" "$PEER_PORT" "$TLS_DIR/peer.pem" "$PEER_CLIENT_CN" "$TLS_DIR/ca.crt"
+        printf 'On the front host: install_units.sh ... --remote NAME=%s:%s (NAME: the DNS name in peer.pem)\n' \
+            "$PEER_ADDR" "$PEER_PORT"
+    fi
+    if ((${#REMOTES[@]})); then
+        printf '\nRemote hosts over mutual TLS: %s\n' "${REMOTES[*]}"
+        printf 'Check: curl -s http://%s:%s/stats\\;csv | awk -F, '"'"'$2 ~ /^peer-/ {print $2, $18, $37}'"'"'\n' \
+            "$LOCAL_ADDRESS" "$STATS_PORT"
+    fi
+    return 0
+}
+
+# The peer listener: the frontend of deploy/haproxy/openjev-peer.cfg appended to haproxy.cfg.
+multihost_render_peer() {
+    [[ -n $PEER_LISTEN ]] || return 0
+    [[ -f $SCRIPT_DIR/haproxy/openjev-peer.cfg ]] || die "template $SCRIPT_DIR/haproxy/openjev-peer.cfg is missing"
+    { printf '\n'; cat -- "$SCRIPT_DIR/haproxy/openjev-peer.cfg"; } >"$STAGE/tmpl"
+    render "$STAGE/tmpl" "$STAGE/peer.cfg"
+    cat -- "$STAGE/peer.cfg" >>"$STAGE/conf/haproxy.cfg"
+}
+multihost_settings
+
 [[ -f $BUNDLE/app/serve_sglang_v100.sh ]] || die "no app/serve_sglang_v100.sh under --bundle $BUNDLE"
 for t in "${TEMPLATE_UNITS[@]}"; do
     [[ -f $SCRIPT_DIR/systemd/$t ]] || die "template $SCRIPT_DIR/systemd/$t is missing"
@@ -218,11 +426,12 @@ if [[ -n $HAPROXY_ARG ]]; then
     HAPROXY=$(command -v -- "$HAPROXY_ARG") || die "--haproxy '$HAPROXY_ARG' is not an executable"
 elif HAPROXY=$(command -v haproxy); then :
 elif [[ -x /usr/sbin/haproxy ]]; then HAPROXY=/usr/sbin/haproxy
-elif ((DRY_RUN)); then
+elif ((DRY_RUN || !VERIFY)); then
+    # Nothing runs haproxy here (dry run or --no-verify): render with Debian's path and say so.
     HAPROXY=/usr/sbin/haproxy
     printf '%s: warning: haproxy is not installed (apt-get install haproxy); rendering with %s\n' "$PROG" "$HAPROXY" >&2
 else
-    die "haproxy is not installed (Debian: apt-get install haproxy) and --haproxy was not given"
+    die "haproxy is not installed (Debian: apt-get install haproxy); install it, give --haproxy PATH, or render with --no-verify"
 fi
 HAPROXY=$(abspath "$HAPROXY")
 check_path --haproxy "$HAPROXY"
@@ -234,6 +443,7 @@ if [[ -x $HAPROXY ]]; then
         die "HAProxy $HAPROXY_VERSION is too old: the gateway configuration needs 2.6 or newer"
     fi
 fi
+multihost_check_tls
 
 # ------------------------------------------------------------------ rendering
 STAGE=$(mktemp -d "${TMPDIR:-/tmp}/openjev-units.XXXXXX")
@@ -243,9 +453,10 @@ mkdir -p "$STAGE/units" "$STAGE/conf"
 
 SERVERS="" REPLICA_UNITS=""
 for g in "${GPUS[@]}"; do
-    SERVERS+="${SERVERS:+$'\n'}    server replica$g 127.0.0.1:$((REPLICA_BASE + g))"
+    SERVERS+="${SERVERS:+$'\n'}    server replica$g $LOCAL_ADDRESS:$((REPLICA_BASE + g))"
     REPLICA_UNITS+="${REPLICA_UNITS:+ }openjev-replica@$g.service"
 done
+multihost_render_vars
 
 # Every R_NAME below replaces @NAME@; values go through the environment, never through a regex.
 render() {
@@ -283,6 +494,7 @@ for t in "${TEMPLATE_UNITS[@]}"; do
 done
 { header deploy/haproxy/openjev-gateway.cfg; cat -- "$TEMPLATE_HAPROXY"; } >"$STAGE/tmpl"
 render "$STAGE/tmpl" "$STAGE/conf/haproxy.cfg"
+multihost_render_peer
 for g in "${GPUS[@]}"; do
     {
         printf '# Rendered by deploy/install_units.sh: environment of openjev-replica@%s.service (GPU %s).\n' "$g" "$g"
@@ -292,20 +504,47 @@ for g in "${GPUS[@]}"; do
         printf 'OPENJEV_REPLICA_PORT=%s\n' "$((REPLICA_BASE + g))"
         printf 'OPENJEV_BACKEND=%s\n' "$BACKEND"
         printf '# Extra launcher flags, split at spaces (e.g. --disable-radix-cache).\n'
-        printf 'OPENJEV_REPLICA_ARGS=\n'
+        printf 'OPENJEV_REPLICA_ARGS=%s\n' "$REPLICA_HOST_ARGS"
         printf '# Launcher settings (defaults in app/serve_sglang_v100.sh --help), e.g.\n'
         printf '# MAX_RUNNING_REQUESTS=16\n# SCHEDULE_POLICY=lpm\n'
         for kv in "${EXTRA_ENV[@]}"; do printf '%s\n' "$kv"; done
     } >"$STAGE/conf/replica-$g.env"
 done
 
+# Opt-in scheduled benchmark (issue 13): a oneshot service and its timer.
+BENCH_UNITS=()
+if [[ -n $BENCH_TIMER ]]; then
+    [[ -n $BENCH_ARGS ]] || usage_error "--bench-timer needs --bench-args (--history DIR --gpu N --port P --set ...)"
+    [[ $BENCH_TIMER != *$'\n'* && $BENCH_ARGS != *$'\n'* ]] || usage_error "--bench-timer / --bench-args: one line"
+    BENCH_PYTHON=${BENCH_PYTHON_ARG:-$ROOT/venv/bin/python}
+    {
+        header "install_units.sh --bench-timer"
+        printf '[Unit]\nDescription=OpenJEV scheduled benchmark (development server, never the production port)\n'
+        printf 'Documentation=file:%s/V100.md\n\n[Service]\nType=oneshot\n' "$BUNDLE"
+        ((SYSTEM)) && printf 'User=%s\nGroup=%s\n' "$SERVICE_USER" "$SERVICE_GROUP"
+        printf 'Environment=OPENJEV_V100_ROOT=%s\nEnvironment=OPENJEV_BACKEND=%s\nWorkingDirectory=%s\n' \
+            "$ROOT" "$BACKEND" "$ROOT"
+        printf '# Exit 3 = regression, 1 = failure, 75 = another run holds the lock: the unit then shows failed.\n'
+        printf 'ExecStart=%s %s/app/bench_scheduled_v100.py --checkpoint %s %s\n' "$BENCH_PYTHON" "$BUNDLE" "$MODEL" "$BENCH_ARGS"
+        printf 'TimeoutStartSec=6h\nSyslogIdentifier=openjev-bench\n'
+    } >"$STAGE/units/openjev-bench.service"
+    {
+        header "install_units.sh --bench-timer"
+        printf '[Unit]\nDescription=OpenJEV scheduled benchmark timer\n\n[Timer]\nOnCalendar=%s\n' "$BENCH_TIMER"
+        printf 'Persistent=true\nRandomizedDelaySec=10min\nUnit=openjev-bench.service\n\n[Install]\nWantedBy=timers.target\n'
+    } >"$STAGE/units/openjev-bench.timer"
+    BENCH_UNITS=(openjev-bench.service openjev-bench.timer)
+fi
+
 # Destination of every staged file.
 declare -A DEST=()
+for t in "${BENCH_UNITS[@]}"; do DEST["units/$t"]=$UNIT_DIR/$t; done
 for t in "${TEMPLATE_UNITS[@]}"; do DEST["units/$t"]=$UNIT_DIR/$t; done
 DEST[conf/haproxy.cfg]=$CONF_DIR/haproxy.cfg
 for g in "${GPUS[@]}"; do DEST["conf/replica-$g.env"]=$CONF_DIR/replica-$g.env; done
 ORDER=()
 for t in "${TEMPLATE_UNITS[@]}"; do ORDER+=("units/$t"); done
+for t in "${BENCH_UNITS[@]}"; do ORDER+=("units/$t"); done
 ORDER+=(conf/haproxy.cfg)
 for g in "${GPUS[@]}"; do ORDER+=("conf/replica-$g.env"); done
 
@@ -333,6 +572,7 @@ verify_units() {
         cp -- "$STAGE/units/openjev-replica@.service" "$STAGE/verify/openjev-replica@$g.service"
         files+=("$STAGE/verify/openjev-replica@$g.service")
     done
+    for g in "${BENCH_UNITS[@]}"; do files+=("$STAGE/verify/$g"); done
     if ((!SYSTEM)); then
         mode=(--user)
         if [[ -z ${XDG_RUNTIME_DIR:-} || ! -d ${XDG_RUNTIME_DIR:-/nonexistent} ]]; then
@@ -378,6 +618,7 @@ else
 fi
 
 if ((DRY_RUN)); then
+    [[ -d $ROOT ]] || printf 'dry run: would create the missing --root %s\n' "$ROOT"
     printf 'dry run: nothing written\n'
     exit 0
 fi
@@ -392,6 +633,16 @@ if ((${#CHANGED[@]})) && ((!FORCE)); then
     die "refusing to overwrite ${#CHANGED[@]} existing file(s) that differ: ${CHANGED[*]} (re-run with --force to replace them)"
 fi
 
+# The root is the replicas' WorkingDirectory= and holds their JIT caches: a missing one is created
+# (owned by the service user), or the replicas would fail to start with 200/CHDIR.
+if [[ ! -d $ROOT ]]; then
+    [[ ! -e $ROOT ]] || die "--root $ROOT exists and is not a directory"
+    mkdir -p -m 0755 -- "$ROOT" 2>/dev/null || die "cannot create --root $ROOT (permission denied or read-only parent)"
+    if [[ $SERVICE_USER != "$CURRENT_USER" ]]; then
+        chown -- "$SERVICE_USER:$SERVICE_GROUP" "$ROOT" || die "created --root $ROOT but cannot give it to $SERVICE_USER"
+    fi
+    printf 'created: %s (--root)\n' "$ROOT"
+fi
 mkdir -p -- "$UNIT_DIR" "$CONF_DIR" || die "cannot create $UNIT_DIR or $CONF_DIR"
 for f in "${ORDER[@]}"; do
     d=${DEST[$f]}
@@ -425,3 +676,4 @@ Check:
   $SC status openjev.target openjev-gateway.socket openjev-gateway.service $REPLICA_UNITS
   curl -s http://127.0.0.1:$STATS_PORT/stats\;csv | cut -d, -f1,2,18 ; curl -s http://127.0.0.1:$PORT/health
 EOF
+multihost_next_steps

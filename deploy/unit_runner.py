@@ -318,12 +318,13 @@ class ServiceUnit:
             env["NOTIFY_SOCKET"] = str(self.manager.notify_path)
         elif stype not in ("exec", "simple"):
             raise UnitError(f"{self.name}: Type={stype} is not modelled")
-        cwd = u.get("Service", "WorkingDirectory")
+        cwd = self.working_directory()
         log = open(self.log_path, "ab")
         try:
-            self.proc = subprocess.Popen(cmd, env=env, cwd=u.specifiers(cwd, rt) if cwd else None,
-                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         pass_fds=pass_fds, start_new_session=True)
+            self.proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, pass_fds=pass_fds, start_new_session=True)
+        except OSError as exc:  # as systemd's 203/EXEC: one line naming the unit, never a traceback
+            raise UnitError(f"{self.name}: cannot run {shown[0]}: {exc.strerror or exc}") from None
         finally:
             log.close()
         self.record("started", f"pid {self.proc.pid}: {shlex.join(shown)}")
@@ -333,6 +334,23 @@ class ServiceUnit:
         self._supervisor = threading.Thread(target=self._supervise, args=(self.proc,), daemon=True,
                                             name=f"supervise-{self.name}")
         self._supervisor.start()
+
+    def working_directory(self) -> str | None:
+        """WorkingDirectory= (a leading '-' makes a missing directory acceptable, as in systemd; '~' is HOME).
+        A missing one fails the start with one line, as systemd's status 200/CHDIR does."""
+        raw = self.unit.get("Service", "WorkingDirectory")
+        if not raw:
+            return None
+        optional = raw.startswith("-")
+        path = self.unit.specifiers(raw[1:] if optional else raw, self.manager.runtime_dir)
+        if path == "~":
+            path = pwd.getpwuid(os.getuid()).pw_dir
+        if os.path.isdir(path):
+            return path
+        if optional:
+            return None
+        raise UnitError(f"{self.name}: WorkingDirectory={path} does not exist (systemd fails the unit with "
+                        "200/CHDIR); create it (deploy/install_units.sh creates its --root) and start again")
 
     def wait_started(self, timeout: float | None = None) -> None:
         limit = timeout or min(parse_duration(self.unit.get("Service", "TimeoutStartSec", "90s")), 600)
@@ -376,7 +394,12 @@ class ServiceUnit:
         time.sleep(delay)
         with self._lock:
             if self._wanted and not self._stopping and self.proc is proc:
-                self._spawn()
+                try:
+                    self._spawn()
+                except UnitError as exc:  # systemd: the unit enters "failed"; no traceback from this thread
+                    self._wanted = False
+                    self.record("restart failed", str(exc))
+                    print(f"unit_runner.py: error: {exc}", file=sys.stderr, flush=True)
 
     def stop(self) -> int | None:
         """systemctl stop: KillSignal= to the main PID, TimeoutStopSec=, then SIGKILL everything."""
@@ -580,8 +603,12 @@ def main() -> int:
     if not (args.unit_dir / args.target).is_file():
         print(f"unit_runner.py: error: no {args.target} in {args.unit_dir}", file=sys.stderr)
         return 1
-    mgr = Manager(args.unit_dir, args.runtime_dir or args.unit_dir.parent / "run",
-                  args.log_dir or args.unit_dir.parent / "log")
+    try:
+        mgr = Manager(args.unit_dir, args.runtime_dir or args.unit_dir.parent / "run",
+                      args.log_dir or args.unit_dir.parent / "log")
+    except OSError as exc:
+        print(f"unit_runner.py: error: cannot prepare the runtime or log directory: {exc}", file=sys.stderr)
+        return 1
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

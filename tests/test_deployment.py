@@ -598,3 +598,39 @@ def test_production_port_refuses_a_second_standalone_server(deployment, overlay,
             gw.start()
         wait_both_up(r)
     print(f"\n{how}: refused in {secs:.1f} s: {lines[0]}")
+
+
+# ---------------------------------------------------------------- a missing root (issue 12)
+@needs_haproxy
+def test_install_units_creates_a_missing_root(overlay, tmp_path):
+    root = tmp_path / "new" / "root"  # neither it nor its parent exists
+    args = ["--root", root, "--model", overlay, "--unit-dir", tmp_path / "units", "--conf-dir", tmp_path / "conf",
+            "--gpus", "0", "--backend", "transformers", "--no-verify"]
+    dry = install(*args, "--dry-run")
+    assert f"would create the missing --root {root}" in dry.stdout and not root.exists()
+    done = install(*args)
+    assert f"created: {root} (--root)" in done.stdout and root.is_dir() and (root.stat().st_mode & 0o777) == 0o755
+    assert install(*args).stdout.count("created:") == 0  # a second run finds it
+    (tmp_path / "file").write_text("x")
+    swap = {root: tmp_path / "file", tmp_path / "units": tmp_path / "units2", tmp_path / "conf": tmp_path / "conf2"}
+    bad = install(*[swap.get(a, a) for a in args], check=False)
+    assert bad.returncode != 0 and len(error_lines(bad.stderr)) == 1 and "not a directory" in bad.stderr
+
+
+@needs_haproxy
+def test_unit_runner_names_a_missing_working_directory_in_one_line(overlay, tmp_path):
+    r = render(tmp_path, overlay, free_port(), free_port(), free_port_pair())
+    r["root"].rmdir()  # the root went away after the install (or was never made)
+    proc = subprocess.run([PY, str(REPO / "deploy" / "unit_runner.py"), str(r["units"])], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("unit_runner.py: error: openjev-replica@0.service: "
+                                                   f"WorkingDirectory={r['root']} does not exist"), proc.stderr
+    # the same through the Python API the tests and benchmarks use
+    mgr = unit_runner.Manager(r["units"], tmp_path / "run2", tmp_path / "journal2")
+    try:
+        with pytest.raises(unit_runner.UnitError, match="WorkingDirectory=.* does not exist"):
+            mgr.start_target("openjev.target")
+    finally:
+        mgr.close()
