@@ -1,0 +1,399 @@
+"""Which kernels the Transformers forward runs, chosen before the model module is imported.
+
+Transformers 5.x picks the Gated DeltaNet kernels of Qwen3.5 once, when its modeling module is
+imported (`use_kernel_func_from_hub_with_fallback`): flash-linear-attention's Triton
+`chunk_gated_delta_rule` if `import fla` works, else its PyTorch reference loop; the short causal
+convolution likewise comes from the `causal_conv1d` package or `F.conv1d`. The model code itself
+is never changed here: this module only decides whether the optional GPU packages may be
+imported (`select_kernels`), checks that their kernels really run and agree with a float64
+recurrence on this GPU first, and afterwards reads back what Transformers actually bound
+(`kernel_path`), so receipts and /server_info say which path ran.
+
+OPENJEV_KERNELS=auto (default) uses flash-linear-attention where it imports and its check passes
+on a CUDA device; OPENJEV_KERNELS=torch forces Transformers' PyTorch fallback (for comparison).
+Every fallback is logged with its reason.
+
+Also here: the FLOP count of a pass (linear layers only) and the fp16 matmul peak measured on
+the device, for the receipts' "compute_bound" block.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import logging
+import os
+import struct
+import sys
+import time
+from pathlib import Path
+
+from _common import UserError
+
+log = logging.getLogger("openjev.kernels")
+
+KERNELS_ENV = "OPENJEV_KERNELS"
+KERNEL_MODES = ("auto", "torch")
+# optional packages Transformers would bind for Qwen3.5's GDN layers, and their distributions
+GDN_PACKAGES = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"}
+_DECISION: dict = {}
+
+
+def kernel_mode(mode: str | None = None) -> str:
+    mode = mode or os.environ.get(KERNELS_ENV) or "auto"
+    if mode not in KERNEL_MODES:
+        raise UserError(f"{KERNELS_ENV}={mode!r}: expected one of {', '.join(KERNEL_MODES)}")
+    return mode
+
+
+def _block(packages, reason: str) -> None:
+    """Make `import <package>` fail, so Transformers binds its PyTorch fallback."""
+    for name in packages:
+        for mod in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+            del sys.modules[mod]
+        sys.modules[name] = None  # importlib raises ModuleNotFoundError for a None entry
+    log.warning("GDN kernels: PyTorch fallback (%s)", reason)
+
+
+def _modeling_already_imported() -> str | None:
+    return next((m for m in sys.modules if m.startswith("transformers.models.qwen3_5.modeling")), None)
+
+
+def naive_gated_delta(q, k, v, g, beta):
+    """float64 recurrence of the gated delta rule with q/k L2-normalised (the semantics of
+    Transformers' `use_qk_l2norm_in_kernel=True`): [B, T, H, K|V] -> [B, T, H, V]."""
+    import torch
+
+    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
+    q = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-6) * q.shape[-1] ** -0.5
+    k = k / k.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+    b, t, h, dk = k.shape
+    state = torch.zeros(b, h, dk, v.shape[-1], dtype=torch.float64, device=q.device)
+    out = torch.empty(b, t, h, v.shape[-1], dtype=torch.float64, device=q.device)
+    for i in range(t):
+        state = state * g[:, i].exp()[..., None, None]
+        kv = torch.einsum("bhk,bhkv->bhv", k[:, i], state)
+        delta = (v[:, i] - kv) * beta[:, i][..., None]
+        state = state + torch.einsum("bhk,bhv->bhkv", k[:, i], delta)
+        out[:, i] = torch.einsum("bhk,bhkv->bhv", q[:, i], state)
+    return out
+
+
+def check_fla(device: str, heads: int, dk: int, dv: int, dtype: str = "float16") -> float:
+    """Run fla's chunk_gated_delta_rule at the model's head shape (which also warms Triton's
+    autotune cache for it) and return its max abs error against the float64 recurrence."""
+    import torch
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    t = 80  # more than one 64-token chunk, not a multiple of 16
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=getattr(torch, dtype))
+
+    q, k, v = rnd(1, t, heads, dk), rnd(1, t, heads, dk), rnd(1, t, heads, dv)
+    g = -torch.rand(1, t, heads, generator=gen).to(device) * 0.5
+    beta = torch.rand(1, t, heads, generator=gen).to(device=device, dtype=getattr(torch, dtype))
+    out, _ = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+    ref = naive_gated_delta(q, k, v, g, beta)
+    err = float((out.double() - ref).abs().max())
+    if not err < 2e-2:  # fp16 inputs and outputs; NaN fails too
+        raise RuntimeError(f"fla chunk_gated_delta_rule disagrees with the float64 recurrence: max abs error {err}")
+    return err
+
+
+def configure_backends(device: str) -> dict:
+    """PyTorch backend switches for varying sequence lengths on a GPU (the model code is untouched).
+
+    Measured on an H200 (results_h200/embedded14/profile): for every new sequence length cuDNN
+    builds a new execution plan for the GDN layers' depthwise causal conv1d (5.7 ms of CPU per
+    call, 24 calls a forward) and SDPA's cuDNN attention backend builds a new graph (4.8 ms per
+    call, 8 calls), so a forward at an unseen length cost 240 ms instead of 55 ms. With cuDNN off
+    the conv runs PyTorch's native depthwise kernel and SDPA picks FlashAttention, neither of which
+    plans per shape. OPENJEV_CUDNN=1 keeps cuDNN."""
+    import torch
+
+    if not device.startswith("cuda") or os.environ.get("OPENJEV_CUDNN") == "1":
+        return {"cudnn": bool(torch.backends.cudnn.enabled), "changed": False}
+    # SDPA then runs FlashAttention for unpadded rows and the memory-efficient kernel for padded
+    # batches (a mask). Forcing memory-efficient for both was measured worse on the H200 (reference
+    # 12.7 instead of 17.5 rows/s, padded-vs-exact max |dp_e| 0.0027 instead of 0.0024).
+    torch.backends.cudnn.enabled = False
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    log.info("cuDNN disabled for conv1d and SDPA (per-length plan building); OPENJEV_CUDNN=1 keeps PyTorch's defaults")
+    return {"cudnn": False, "changed": True,
+            "reason": "cuDNN plans per new sequence length (conv1d 5.7 ms, SDPA 4.8 ms of CPU per call on an H200)"}
+
+
+def sdp_backends() -> dict:
+    import torch
+
+    b = torch.backends.cuda
+    return {"flash": b.flash_sdp_enabled(), "mem_efficient": b.mem_efficient_sdp_enabled(),
+            "cudnn": b.cudnn_sdp_enabled(), "math": b.math_sdp_enabled()}
+
+
+def select_kernels(device: str, config: dict | None = None, mode: str | None = None) -> dict:
+    """Decide, before Transformers imports the Qwen3.5 modeling module, whether the optional GDN
+    kernel packages may be used; returns (and remembers) the decision with its reason."""
+    mode = kernel_mode(mode)
+    decision: dict = {"requested": mode, "fla_check_max_abs_error": None, "backends": configure_backends(device)}
+    already = _modeling_already_imported()
+    if already:  # the binding is made; report what it is instead of pretending to choose
+        decision["reason"] = f"{already} was imported before the kernel choice; its binding stands"
+    elif mode == "torch":
+        decision["reason"] = f"{KERNELS_ENV}=torch asked for the PyTorch fallback"
+        _block(GDN_PACKAGES, decision["reason"])
+    elif not device.startswith("cuda"):
+        decision["reason"] = f"device {device}: the flash-linear-attention kernels are Triton GPU kernels"
+        _block(GDN_PACKAGES, decision["reason"])
+    else:
+        try:
+            fla = importlib.import_module("fla")
+            text = (config or {}).get("text_config", config or {})
+            heads = int(text.get("linear_num_value_heads", 4))
+            dk, dv = int(text.get("linear_key_head_dim", 64)), int(text.get("linear_value_head_dim", 64))
+            t0 = time.perf_counter()
+            decision["fla_check_max_abs_error"] = check_fla(device, heads, dk, dv)
+            decision["fla_check_seconds"] = round(time.perf_counter() - t0, 3)
+            decision["reason"] = (f"flash-linear-attention {getattr(fla, '__version__', '?')} imported and its "
+                                  f"chunk_gated_delta_rule matched a float64 recurrence on {device}")
+            log.info("GDN kernels: %s", decision["reason"])
+        except Exception as exc:  # noqa: BLE001 - ImportError, Triton refusing the GPU, a wrong result
+            decision["reason"] = f"flash-linear-attention unusable: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            _block(["fla"], decision["reason"])
+    _DECISION.clear()
+    _DECISION.update(decision)
+    return decision
+
+
+def _bound(func) -> object:
+    """The implementation a Transformers fallback wrapper calls (its closure's `implementation`)."""
+    seen = 0
+    while func is not None and seen < 5:
+        nonlocals = inspect.getclosurevars(func).nonlocals if inspect.isfunction(func) else {}
+        if "implementation" in nonlocals:
+            return nonlocals["implementation"]
+        func = getattr(func, "__wrapped__", None)
+        seen += 1
+    return None
+
+
+def _describe(func) -> str | None:
+    if func is None:
+        return None
+    return f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', getattr(func, '__name__', '?'))}"
+
+
+def kernel_path(model) -> dict:
+    """What the loaded model's forward runs: GDN chunk kernel, causal conv, attention, versions."""
+    import torch
+
+    info: dict = {"gdn": None, "gdn_chunk_kernel": None, "causal_conv1d": None}
+    gdn = next((m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")), None)
+    if gdn is not None:
+        modeling = sys.modules.get(type(gdn).__module__)
+        chunk = _bound(getattr(modeling, "torch_chunk_gated_delta_rule", None))
+        conv = _bound(getattr(modeling, "causal_conv1d_fn", None))
+        info["gdn_chunk_kernel"], info["causal_conv1d"] = _describe(chunk), _describe(conv)
+        name = info["gdn_chunk_kernel"] or ""
+        info["gdn"] = "fla" if name.startswith("fla.") else ("torch-fallback" if name.startswith("transformers.")
+                                                              else (name or "unknown"))
+    cfg = model.config
+    info["attn_implementation"] = getattr(cfg, "_attn_implementation", None)
+    info["torch"] = torch.__version__
+    info["cudnn_enabled"] = bool(torch.backends.cudnn.enabled)
+    info["sdp_backends"] = sdp_backends()
+    info["compiled_modules"] = sorted({type(m).__name__ for m in model.modules() if getattr(m, "_openjev_compiled", False)})
+    for mod, key in (("fla", "fla_version"), ("triton", "triton_version"), ("causal_conv1d", "causal_conv1d_version")):
+        m = sys.modules.get(mod)
+        info[key] = getattr(m, "__version__", None) if m is not None else None
+    info["selection"] = dict(_DECISION) or None
+    return info
+
+
+def path_label(info: dict) -> str:
+    """One short string for logs and tables, e.g. 'fla+sdpa' or 'torch-fallback+sdpa'."""
+    return f"{info.get('gdn')}+{info.get('attn_implementation')}"
+
+
+# ---------------------------------------------------------------- compute-bound figures
+def linear_weight_elements(model_dir: Path) -> int:
+    """Elements of the 2-D weights that run as matmuls per token (no embedding, no vision tower),
+    read from the safetensors headers without loading the weights."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{model_dir}: no .safetensors files to count parameters from")
+    total = 0
+    for f in files:
+        with open(f.resolve(), "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, meta in header.items():
+            if name == "__metadata__" or len(meta.get("shape", [])) != 2:
+                continue
+            if "embed_tokens" in name or "visual" in name or "lm_head" in name:
+                continue
+            total += meta["shape"][0] * meta["shape"][1]
+    return total
+
+
+def model_flops(model_dir: Path, tokens: int) -> float:
+    """Matmul FLOPs of one pass over `tokens` real tokens: 2 x linear weight elements x tokens
+    (attention scores and the GDN recurrence are not counted, so the fraction is a lower bound)."""
+    return 2.0 * linear_weight_elements(model_dir) * tokens
+
+
+def measure_matmul_peak(device: str, dtype: str = "float16", n: int = 8192, repeats: int = 10) -> float:
+    """Median TFLOP/s of an n x n x n matmul on random data (3 warm-ups first)."""
+    import torch
+
+    tdt = getattr(torch, dtype)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    if not device.startswith("cuda"):
+        n = min(n, 1024)
+    a = torch.randn(n, n, generator=gen).to(device=device, dtype=tdt)
+    b = torch.randn(n, n, generator=gen).to(device=device, dtype=tdt)
+    times = []
+    for i in range(3 + repeats):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        (a @ b)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    return 2.0 * n ** 3 / times[len(times) // 2] / 1e12
+
+
+def _sig(x: float, digits: int = 4) -> float:
+    """Round to significant digits, so small CPU figures keep their precision (0.00184, not 0.0018)."""
+    return float(f"{x:.{digits}g}")
+
+
+def compute_bound(peak_tflops: float, peak_dtype: str, flops: float, seconds: float) -> dict:
+    achieved = flops / seconds / 1e12 if seconds > 0 else None
+    return {
+        "peak_fp16_tflops": _sig(peak_tflops) if peak_dtype == "float16" else None,
+        "peak_dtype": peak_dtype, "peak_tflops": _sig(peak_tflops),
+        "peak_method": "median of 10 square matmuls of random data after 3 warm-ups, same run",
+        "model_flops_per_pass": flops, "pass_seconds": round(seconds, 4),
+        "achieved_tflops": _sig(achieved) if achieved else None,
+        "fraction_of_peak": _sig(achieved / peak_tflops) if achieved else None,
+        "flops_counted": "2 x linear-layer weight elements x real tokens (no padding, attention or GDN recurrence)",
+    }
+
+
+# ---------------------------------------------------------------- warm-up
+def warm_up(clf, rows: list[list[int]], forwards: int = 2, padded: bool = False, batch: int = 8) -> dict:
+    """Untimed forwards before any timed or served work: Triton compiles and autotunes the GDN
+    kernels, cuBLAS/cuDNN pick their algorithms. Lengths are spread over the rows given (a length
+    that is not a multiple of 16 is included: Triton specialises integer arguments on it).
+    Results are discarded; the arithmetic of later forwards does not depend on them."""
+    if forwards <= 0 or not rows:
+        return {"forwards": 0, "seconds": 0.0, "lengths": []}
+    from _classifier import score_exact, score_padded
+
+    by_len = sorted(rows, key=len)
+    shapes = warm_fla_shapes(clf, batch if padded else 1, max(len(r) for r in rows) * (batch if padded else 1))
+    picks = [by_len[round(i * (len(by_len) - 1) / max(1, forwards - 1))] for i in range(forwards)]
+    t0 = time.perf_counter()
+    for row in picks:
+        score_exact(clf, [row])
+    if padded:
+        score_padded(clf, by_len[:batch])
+    seconds = round(time.perf_counter() - t0, 3)
+    log.info("warm-up: %d forwards in %.1f s", len(picks) + int(padded), seconds)
+    return {"forwards": len(picks) + int(padded), "seconds": seconds, "lengths": [len(r) for r in picks],
+            "fla_shapes": shapes}
+
+
+def warm_fla_shapes(clf, max_rows: int, max_tokens: int) -> dict:
+    """Autotune fla's kernels for every autotune key a forward of at most `max_rows` rows and
+    `max_tokens` padded tokens can produce, so no request pays it. Measured on an H200: fla 0.6.0's
+    l2norm kernel keys its autotune on NB = ceil(rows x length x heads / 65536) (25 configs compiled
+    for every new NB, about 10 s) and its chunk cumsum on the batch size, so padded batches of new
+    shapes stalled passes by 9 s. Nothing here is kept but Triton's caches."""
+    kern = (clf.kernels or {}).get("gdn")
+    if kern != "fla" or not clf.device.startswith("cuda"):
+        return {"skipped": f"GDN path {kern} on {clf.device}"}
+    try:
+        return _warm_fla_shapes(clf, max_rows, max_tokens)
+    except Exception as exc:  # noqa: BLE001 - a warm-up failure must not stop serving; requests then autotune
+        log.warning("fla autotune warm-up failed (%s: %s); first requests of new shapes will pay it",
+                    type(exc).__name__, exc)
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _warm_fla_shapes(clf, max_rows: int, max_tokens: int) -> dict:
+    import torch
+    from fla.modules.norm.l2norm import l2norm_fwd
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    text = clf.model.config.get_text_config()
+    heads, dk, dv = text.linear_num_value_heads, text.linear_key_head_dim, text.linear_value_head_dim
+    dt = clf.model.dtype
+    t0 = time.perf_counter()
+    nbs = list(range(1, -(-max_tokens * heads // 65536) + 1))
+    with torch.inference_mode():
+        for nb in nbs:
+            l2norm_fwd(torch.randn(nb * 65536, dk, device=clf.device, dtype=dt))
+        for b in range(1, max_rows + 1):
+            q, k = (torch.randn(b, 64, heads, dk, device=clf.device, dtype=dt) for _ in range(2))
+            v = torch.randn(b, 64, heads, dv, device=clf.device, dtype=dt)
+            g = -torch.rand(b, 64, heads, device=clf.device)
+            beta = torch.rand(b, 64, heads, device=clf.device, dtype=dt)
+            chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+        torch.cuda.synchronize()
+    seconds = round(time.perf_counter() - t0, 3)
+    log.info("fla autotune warm-up: l2norm NB 1..%d, batch sizes 1..%d in %.1f s", nbs[-1], max_rows, seconds)
+    return {"l2norm_nb": [1, nbs[-1]], "batch_sizes": [1, max_rows], "max_tokens": max_tokens, "seconds": seconds}
+
+
+def synthetic_rows(vocab_size: int, lengths=(80, 700), count: int = 8) -> list[list[int]]:
+    """Deterministic in-vocabulary rows for warming a server before its first request."""
+    out = []
+    for j in range(count):
+        n = lengths[j % len(lengths)] - j
+        out.append([(1 + 7919 * (i + 31 * j)) % vocab_size for i in range(max(1, n))])
+    return out
+
+
+def compile_pointwise(model) -> int:
+    """torch.compile (dynamic shapes) the norm and MLP modules, fusing their casts and pointwise
+    work; matmuls stay cuBLAS. For serving only, never for the reference scorer. Returns how many
+    modules were wrapped. Their forward is still Transformers' code, compiled by Inductor."""
+    import torch
+
+    n = 0
+    for m in model.modules():
+        name = type(m).__name__
+        if name.endswith(("RMSNorm", "RMSNormGated", "MLP")) and "Vision" not in name:
+            m.forward = torch.compile(m.forward, dynamic=True)
+            m._openjev_compiled = True
+            n += 1
+    log.info("compiled %d norm/MLP modules (torch.compile, dynamic shapes)", n)
+    return n
+
+
+WARM_TOKENS_ENV = "OPENJEV_WARM_TOKENS"
+
+
+def prepare_serving(clf, batching: str, max_rows: int = 16, max_tokens: int | None = None) -> dict:
+    """What the embedded server does after loading: optional compile (OPENJEV_COMPILE=1, GPU
+    only), fla autotune warm-up for forwards of up to `max_rows` rows and `max_tokens` padded
+    tokens (default $OPENJEV_WARM_TOKENS or 16384), then warm-up forwards; the kernel path is read
+    again afterwards."""
+    compiled = 0
+    if os.environ.get("OPENJEV_COMPILE") == "1" and clf.device != "cpu":
+        compiled = compile_pointwise(clf.model)
+    tokens = max_tokens or int(os.environ.get(WARM_TOKENS_ENV) or 16384)
+    shapes = warm_fla_shapes(clf, max_rows if batching != "exact" else 1, tokens if batching != "exact" else 4096)
+    warm = warm_up(clf, synthetic_rows(clf.vocab_size), padded=batching != "exact")
+    warm["compiled_modules"] = compiled
+    warm["fla_shapes"] = shapes
+    clf.kernels = kernel_path(clf.model)
+    return warm

@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# GPU session of issue 14 (the embedded backend and the reference scorer at the GPU's speed) and
+# issue 15 (gateway over two replicas on one GPU). Receipts land in results_h200/; an NVIDIA H200
+# is an SM90 development machine, not a V100.
+#
+#   bash benchmarks/h200_session14.sh OUTDIR        # on the GPU machine, from the repository root
+#
+# STAGES (default "prep profile profile_torch reference http") picks what runs, in order:
+#   prep           random-weight classifier of Qwen3.5-4B's text shape (FP16) and the 128-row
+#                  synthetic set (premises 200-1500 tokens, option groups), as bench_embedded.sh
+#   profile        benchmarks/gpu_profile.py with the kernels Transformers binds (fla if installed)
+#   profile_torch  the same, short, with OPENJEV_KERNELS=torch (Transformers' PyTorch fallback)
+#   reference      app/score_reference.py, exact (one unpadded row per forward), FP16, REF_WORKERS
+#                  processes (default 1)
+#   reference_w1   the same with one process; checks the logits are bitwise equal
+#   reference_torch  the same with --kernels torch (figure only; its logits are not the reference)
+#   http           app/serve_transformers.py + app/bench_classify_v100.py through /classify
+#                  (batches of 32, 4 workers, median of 3, GPU-exclusivity monitor), then
+#                  benchmarks/compute_bound.py adds the fraction of the fp16 matmul peak
+#   http16         the same with --max-running-requests 16
+#   http_compiled  the same with OPENJEV_COMPILE=1 (norm and MLP modules through torch.compile)
+# Results are packed after every stage into OUTDIR/results.tgz (a time-out keeps what ran).
+# Environment: PYTHON (default python3), WORK (default /tmp/openjev-h200), SHAPE (qwen3.5-4b),
+# DEVICE (cuda), ROWS (128), SERVER_ARGS (serve_transformers.py flags; default --max-running-requests 8), HTTP_LABEL,
+# STAGE_TIMEOUT (seconds per stage, default 400). Rehearse on a CPU with SHAPE=tiny DEVICE=cpu.
+set -uo pipefail
+PROFILE_ARGS=${PROFILE_ARGS:-} SERVER_ARGS=${SERVER_ARGS:---max-running-requests 8} HTTP_LABEL=${HTTP_LABEL:-} REF_WORKERS=${REF_WORKERS:-1}
+OPENJEV_COMPILE=${OPENJEV_COMPILE:-}
+OUTDIR=${1:?usage: h200_session14.sh OUTDIR}
+PY=${PYTHON:-python3}
+W=${WORK:-/tmp/openjev-h200}
+R="$W/results14"
+SHAPE=${SHAPE:-qwen3.5-4b}
+DEVICE=${DEVICE:-cuda}
+ROWS=${ROWS:-128}
+TO=${STAGE_TIMEOUT:-400}
+LABEL=${MACHINE_LABEL:-"NVIDIA H200 (development machine, SM90; not a V100)"}
+DTYPE=$([ "$DEVICE" = cpu ] && echo float32 || echo float16)
+SET="$W/set-$ROWS-200-1500"
+MODEL="$W/model-$SHAPE"
+REF="$W/ref14-$SHAPE-$DEVICE"
+mkdir -p "$R" "$OUTDIR"
+pack() { tar -czf "$OUTDIR/results.tgz" -C "$R" . ; }
+log() { echo "== $(date -u +%H:%M:%S) $*"; }
+code() { echo "$1 exit $2" | tee -a "$R/exit_codes.txt"; }
+free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+stage_prep() {
+  nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv >"$R/nvidia_smi.csv" 2>&1
+  "$PY" -c 'import torch, transformers, triton; print(torch.__version__, torch.version.cuda, transformers.__version__, "triton", triton.__version__)' \
+    >"$R/versions.txt" 2>&1
+  "$PY" -c 'import fla; print("fla", fla.__version__)' >>"$R/versions.txt" 2>&1
+  [ -d "$W/ckpt-$SHAPE" ] || "$PY" app/make_tiny_model.py "$W/ckpt-$SHAPE" --shape "$SHAPE" --dtype "$DTYPE" \
+    --device "$DEVICE" --processor-out "$W/proc-$SHAPE" || return 1
+  [ -d "$MODEL" ] || "$PY" app/prepare_v100_model.py "$W/ckpt-$SHAPE" "$MODEL" --processor-dir "$W/proc-$SHAPE" \
+    --allow-unpinned || return 1
+  [ -e "$SET.jsonl" ] || "$PY" app/make_synthetic_inputs.py "$SET" --rows "$ROWS" --premise-tokens 200:1500 --vocab 512
+}
+
+stage_profile() {
+  "$PY" benchmarks/gpu_profile.py --model "$MODEL" --tokens "$SET.tokens.jsonl" --out "$R/profile" --device "$DEVICE" \
+    --cudnn-ab ${PROFILE_ARGS:-}
+}
+
+stage_profile_torch() {
+  OPENJEV_KERNELS=torch "$PY" benchmarks/gpu_profile.py --model "$MODEL" --tokens "$SET.tokens.jsonl" \
+    --out "$R/profile" --device "$DEVICE" --tag _torch --exact-rows 6 --budgets 32768 --padded-repeats 1 \
+    ${PROFILE_ARGS:-}
+}
+
+stage_reference() {
+  rm -rf "$REF"
+  "$PY" app/score_reference.py --model "$MODEL" --tokens "$SET.tokens.jsonl" --inputs "$SET.jsonl" --out "$REF" \
+    --device "$DEVICE" --workers "${REF_WORKERS:-1}" || return 1
+  mkdir -p "$R/reference" && cp "$REF/reference.json" "$REF/reference.npy" "$REF/tokens.sha256" "$R/reference/"
+}
+
+stage_reference_w1() {  # one process: same logits bitwise as the --workers run?
+  rm -rf "$REF-w1"
+  "$PY" app/score_reference.py --model "$MODEL" --tokens "$SET.tokens.jsonl" --inputs "$SET.jsonl" --out "$REF-w1" \
+    --device "$DEVICE" --workers 1 || return 1
+  mkdir -p "$R/reference_w1" && cp "$REF-w1/reference.json" "$R/reference_w1/"
+  cmp "$REF/reference.npy" "$REF-w1/reference.npy" && echo "reference.npy bitwise equal for --workers ${REF_WORKERS:-1} and 1" \
+    | tee "$R/reference_w1/bitwise.txt"
+}
+
+stage_reference_torch() {
+  rm -rf "$REF-torch"
+  "$PY" app/score_reference.py --model "$MODEL" --tokens "$SET.tokens.jsonl" --inputs "$SET.jsonl" \
+    --out "$REF-torch" --device "$DEVICE" --kernels torch || return 1
+  mkdir -p "$R/reference_torch" && cp "$REF-torch/reference.json" "$R/reference_torch/"
+}
+
+stage_http() {
+  local name=${HTTP_LABEL:-embedded_${SHAPE}_${DEVICE}} port server rc
+  port=$(free_port)
+  # shellcheck disable=SC2086
+  "$PY" app/serve_transformers.py "$MODEL" "$port" --device "$DEVICE" ${SERVER_ARGS:-} >"$R/$name.server.log" 2>&1 &
+  server=$!
+  for _ in $(seq 1 600); do
+    kill -0 "$server" 2>/dev/null || { tail -n 20 "$R/$name.server.log"; return 1; }
+    "$PY" -c "import sys,requests; sys.exit(requests.get('http://127.0.0.1:$port/health',timeout=2).status_code!=200)" \
+      2>/dev/null && break
+    sleep 1
+  done
+  local excl=()
+  [ "$DEVICE" = cpu ] || excl=(--exclusive-gpu 0 --server-pid "$server")
+  "$PY" app/bench_classify_v100.py --url "http://127.0.0.1:$port" --inputs "$SET.jsonl" --tokens "$SET.tokens.jsonl" \
+    --reference "$REF" --out "$R/$name.json" --batch-size 32 --workers 4 --repetitions 3 --label "$name" \
+    --machine-label "$LABEL" "${excl[@]}"
+  rc=$?
+  kill "$server" 2>/dev/null; wait "$server" 2>/dev/null
+  "$PY" benchmarks/compute_bound.py "$R/$name.json" --model "$MODEL" --device "$DEVICE" || return 1
+  return $rc
+}
+
+stage_http_compiled() {  # the same server with OPENJEV_COMPILE=1 (norm/MLP modules compiled)
+  OPENJEV_COMPILE=1 HTTP_LABEL=embedded_${SHAPE}_${DEVICE}_compiled stage_http
+}
+
+stage_http16() {  # 16 rows per forward instead of SERVER_ARGS'
+  SERVER_ARGS="--max-running-requests 16" HTTP_LABEL=embedded_${SHAPE}_${DEVICE}_mrr16 stage_http
+}
+
+export PY W R SHAPE DEVICE ROWS LABEL DTYPE SET MODEL REF PROFILE_ARGS SERVER_ARGS HTTP_LABEL REF_WORKERS OPENJEV_COMPILE
+export -f free_port stage_prep stage_profile stage_profile_torch stage_reference stage_reference_w1 stage_reference_torch stage_http stage_http_compiled stage_http16
+for s in ${STAGES:-prep profile profile_torch reference http}; do
+  log "stage $s"
+  timeout -k 10 "$TO" bash -c "stage_$s" 2>&1 | tee "$R/stage_$s.log"
+  code "$s" "${PIPESTATUS[0]}"
+  pack
+done
+log done
