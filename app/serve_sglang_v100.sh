@@ -58,9 +58,13 @@ Launcher flags (anywhere on the line; the launcher places them in the command it
   --mem-fraction-static 0.7) replaces the launcher's value: each flag appears once.
   --port and --model-path are refused as flags: give them as CHECKPOINT and PORT.
 
-Flags given to SGLang (names of the pinned runtime haohervchb/sglang-V100@dca48890), through
-`python -m sglang_openjev.launch_server`, which registers the classifier and the /classify
-contract routes and then runs SGLang's own server with these flags
+Flags given to SGLang, through `python -m sglang_openjev.launch_server`, which registers the
+classifier and the /classify contract routes and then runs SGLang's own server with these flags.
+Their spelling follows the SGLang that OPENJEV_PYTHON imports (detected without importing it, or
+OPENJEV_SGLANG_RUNTIME): the pinned V100 fork haohervchb/sglang-V100@dca48890 and stock 0.5.13 take
+the legacy names below; stock 0.5.14 and newer take --cuda-graph-backend-decode disabled
+--cuda-graph-backend-prefill disabled for the two CUDA-graph switches and
+--mamba-radix-cache-strategy for --mamba-scheduler-strategy (same values, same meaning)
   | flag                            | value                       | override                    |
   |---------------------------------|-----------------------------|-----------------------------|
   | --model-path                    | CHECKPOINT                  | positional                  |
@@ -82,7 +86,8 @@ contract routes and then runs SGLang's own server with these flags
   | --sampling-backend              | pytorch (SM70 only; the     | flag                        |
   |                                 | classifier never samples)   |                             |
   On a GPU newer than SM70 the four backend flags are left out (SGLang's stock backends)
-  and the SM70-only environment below is not set; everything else is the same.
+  and the SM70-only environment below is not set; everything else is the same. SM70 needs the
+  fork: with stock SGLang the sm70-tilelang profile is refused.
 
 Environment read by the launcher
   | variable                 | default                          | meaning                        |
@@ -101,6 +106,10 @@ Environment read by the launcher
   | OPENJEV_GPU_ARCH         | from nvidia-smi compute_cap of   | sm70 -> TileLang V100 profile; |
   |                          | the first CUDA_VISIBLE_DEVICES   | sm75 and newer -> stock;       |
   |                          | entry                            | e.g. OPENJEV_GPU_ARCH=sm90     |
+  | OPENJEV_SGLANG_RUNTIME   | detected: fork-VERSION when the  | flag dialect: fork, fork-VER,  |
+  |                          | installed server_args.py has     | stock-0.5.13 ... (stock older  |
+  |                          | tilelang_fa_v100, else           | than 0.5.13 refused; newer than|
+  |                          | stock-VERSION                    | 0.5.23: as 0.5.23, with a note)|
   | CONTEXT_LENGTH           | 8192                             | --context-length               |
   | MAX_RUNNING_REQUESTS     | 16                               | --max-running-requests         |
   | SCHEDULE_POLICY          | lpm                              | --schedule-policy              |
@@ -118,8 +127,10 @@ Environment set for the server
   | CUDA_VISIBLE_DEVICES          | as above                                                 |
   | OPENJEV_BACKEND               | sglang or transformers                                   |
   | OPENJEV_ARCH_PROFILE          | sm70-tilelang or stock (SGLang only; /server_info shows) |
+  | OPENJEV_SGLANG_RUNTIME        | fork-VERSION or stock-VERSION (SGLang only; /server_info)|
   | OPENJEV_V100_ROOT             | the root                                                 |
   | PYTHONPATH                    | bundle root first, so the adapter package imports        |
+  | PYTHONPYCACHEPREFIX           | $ROOT/pycache (no bytecode inside the adapter directory) |
   | SGLANG_EXTERNAL_MODEL_PACKAGE | sglang_openjev (SGLang only)                             |
   | SGLANG_MAMBA_CONV_DTYPE       | float16 (SM70 only)                                      |
   | SGLANG_MAMBA_SSM_DTYPE        | float16 (SM70 only)                                      |
@@ -134,7 +145,8 @@ Environment set for the server
   JIT cache directories are created at launch (not with --print-command).
 
 Exit status: the server's own once it runs; 1 with one line on stderr when the launcher
-refuses (port in use, no GCC 10 on SM70, unknown GPU); 2 for usage errors.
+refuses (port in use, no GCC 10 on SM70, unknown GPU, no SGLang or an unsupported one, SM70 on
+stock SGLang); 2 for usage errors.
 
 Examples
   serve_sglang_v100.sh ~/storage/sglang-openjev-v100/model 31003
@@ -216,6 +228,23 @@ parse_args() {
     PORT=$((10#$PORT))
     [[ -d $CHECKPOINT ]] || die "checkpoint directory '$CHECKPOINT' does not exist"
     if operator_gave --disable-radix-cache; then DISABLE_RADIX=1; fi
+    check_pp_size
+}
+
+# The adapter's forward has no pp_proxy_tensors: pipeline parallelism is refused at start.
+check_pp_size() {
+    local i arg value
+    for ((i = 0; i < ${#EXTRA[@]}; i++)); do
+        arg=${EXTRA[i]}
+        case $arg in
+            --pp-size | --pipeline-parallel-size) value=${EXTRA[i + 1]:-} ;;
+            --pp-size=* | --pipeline-parallel-size=*) value=${arg#*=} ;;
+            *) continue ;;
+        esac
+        [[ $value =~ ^[0-9]+$ ]] || usage_error "${arg%%=*} needs an integer, got '$value'"
+        ((10#$value <= 1)) ||
+            die "${arg%%=*} $value is not supported: the sglang_openjev adapter runs on one pipeline stage (no pp_proxy_tensors); use --tp-size or one replica per GPU"
+    done
 }
 
 # ------------------------------------------------------------------ settings from the environment
@@ -322,6 +351,29 @@ find_compilers() {
     return 0
 }
 
+# ------------------------------------------------------------------ SGLang runtime and its flag dialect
+# Sets RUNTIME_LABEL (fork-VERSION | stock-VERSION), DIALECT (legacy | 0.5.14) and RUNTIME_NOTE, from
+# OPENJEV_SGLANG_RUNTIME when set, else from the SGLang that $PYTHON would import (read without
+# importing it: sglang_openjev.launch_server --openjev-runtime).
+detect_runtime() {
+    local line rc=0
+    line=$(PYTHONPATH=$BUNDLE_ROOT "$PYTHON" -B -c '
+import sys
+from sglang_openjev.launch_server import main
+main(["--openjev-runtime", sys.argv[1]])
+' "${OPENJEV_SGLANG_RUNTIME:-}" 2>&1) || rc=$?
+    if ((rc != 0)); then
+        line=${line##*$'\n'}
+        die "SGLang runtime: ${line#sglang_openjev.launch_server: error: }"
+    fi
+    read -r RUNTIME_LABEL DIALECT RUNTIME_NOTE <<<"$line"
+    [[ $RUNTIME_LABEL =~ ^(fork|stock)-[^[:space:]]+$ && $DIALECT =~ ^(legacy|0\.5\.14)$ ]] ||
+        die "SGLang runtime: unexpected answer from $PYTHON: $line"
+    if [[ $PROFILE == sm70-tilelang && $RUNTIME_LABEL == stock-* ]]; then
+        die "the sm70-tilelang profile needs the pinned V100 fork (haohervchb/sglang-V100: tilelang_fa_v100, TileLang GDN); $PYTHON has ${RUNTIME_LABEL/-/ SGLang }"
+    fi
+}
+
 # ------------------------------------------------------------------ environment and command
 ENV_KV=()
 CMD=()
@@ -329,10 +381,11 @@ CMD=()
 build_environment() {
     ENV_KV+=("CUDA_VISIBLE_DEVICES=$DEVICES" "OPENJEV_BACKEND=$BACKEND")
     [[ $BACKEND == sglang ]] && ENV_KV+=("OPENJEV_ARCH_PROFILE=$PROFILE")
-    ENV_KV+=("OPENJEV_V100_ROOT=$ROOT" "PYTHONPATH=$BUNDLE_ROOT${PYTHONPATH:+:$PYTHONPATH}")
+    ENV_KV+=("OPENJEV_V100_ROOT=$ROOT" "PYTHONPATH=$BUNDLE_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+        "PYTHONPYCACHEPREFIX=$ROOT/pycache") # bytecode never lands in sglang_openjev/ (verify_sources.py)
     [[ $BACKEND == sglang ]] || return 0
 
-    ENV_KV+=("SGLANG_EXTERNAL_MODEL_PACKAGE=$ADAPTER_PACKAGE")
+    ENV_KV+=("SGLANG_EXTERNAL_MODEL_PACKAGE=$ADAPTER_PACKAGE" "OPENJEV_SGLANG_RUNTIME=$RUNTIME_LABEL")
     if [[ $PROFILE == sm70-tilelang ]]; then
         ENV_KV+=("SGLANG_MAMBA_CONV_DTYPE=float16" "SGLANG_MAMBA_SSM_DTYPE=float16"
             "SGLANG_V100_DYNAMIC_PAGED=$DYNAMIC_PAGED_V")
@@ -366,10 +419,17 @@ build_command() {
         add_default --mem-fraction-static "$MEM_FRACTION_V"
         add_default --max-running-requests "$MAX_RUNNING_V"
         add_default --schedule-policy "$SCHEDULE_POLICY_V"
-        add_default --disable-cuda-graph
-        add_default --disable-piecewise-cuda-graph
-        add_default --mamba-scheduler-strategy "$strategy"
+        if [[ $DIALECT == legacy ]]; then # the fork, stock <= 0.5.13
+            add_default --disable-cuda-graph
+            add_default --disable-piecewise-cuda-graph
+            operator_gave --mamba-radix-cache-strategy || add_default --mamba-scheduler-strategy "$strategy"
+        else # stock >= 0.5.14: the old spellings are deprecated aliases (0.5.14) or gone (0.5.23)
+            add_default --cuda-graph-backend-decode disabled
+            add_default --cuda-graph-backend-prefill disabled
+            operator_gave --mamba-scheduler-strategy || add_default --mamba-radix-cache-strategy "$strategy"
+        fi
         add_default --mamba-full-memory-ratio "$MAMBA_RATIO_V"
+        add_default --enable-metrics  # SGLang's own Prometheus /metrics on every replica (issue 11)
         if [[ $PROFILE == sm70-tilelang ]]; then
             add_default --attention-backend tilelang_fa_v100
             add_default --linear-attn-prefill-backend tilelang
@@ -426,9 +486,10 @@ main() {
     parse_args "$@"
     read_settings
     resolve_python
-    PROFILE="" CC_PATH="" CXX_PATH=""
+    PROFILE="" CC_PATH="" CXX_PATH="" RUNTIME_LABEL="" DIALECT="" RUNTIME_NOTE=""
     if [[ $BACKEND == sglang ]]; then
         detect_profile
+        detect_runtime
         find_compilers
     fi
     build_environment
@@ -438,6 +499,7 @@ main() {
         exit 0
     fi
     check_port
+    [[ -z $RUNTIME_NOTE ]] || printf '%s: note: %s\n' "$PROG" "$RUNTIME_NOTE" >&2
     make_cache_dirs
     local kv
     for kv in "${ENV_KV[@]}"; do

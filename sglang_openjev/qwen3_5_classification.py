@@ -22,6 +22,7 @@ from sglang.srt.layers.quantization.base_config import QuantizationConfig
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_loader.weight_utils import default_weight_loader
 from sglang.srt.models.qwen3_5 import Qwen3_5ForCausalLM
+from sglang.srt.layers.utils import get_layer_id
 from sglang.srt.utils import add_prefix
 
 from sglang_openjev.weights import (
@@ -29,6 +30,9 @@ from sglang_openjev.weights import (
     HEAD,
     SKIP,
     check_head_weights,
+    expected_backbone_shapes,
+    loading_problems,
+    refuse_if_problems,
     route_weight,
 )
 
@@ -103,30 +107,79 @@ class Qwen3_5ForSequenceClassification(nn.Module):
             self.score, self.pooler, hidden_states, forward_batch, input_ids
         )
 
+    def expected_backbone_shapes(self) -> dict:
+        """Checkpoint name (relative to the backbone) -> full shape, for the layers this rank holds."""
+        layer_types = getattr(self.text_config, "layers_block_type", None) or self.text_config.layer_types
+        expected = expected_backbone_shapes(self.text_config, layer_types)
+        held = range(getattr(self.model, "start_layer", 0), getattr(self.model, "end_layer", len(layer_types)))
+        return {name: shape for name, shape in expected.items()
+                if get_layer_id(name) is None or get_layer_id(name) in held}
+
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]):
+        """Strict: every backbone tensor and score.weight exactly once with its shape, nothing else
+        but the documented ignored tensors (lm_head.*, mtp.*, the vision tower); otherwise a
+        ValueError lists every problem and SGLang's start fails (the server never reports healthy).
+        """
+        expected = self.expected_backbone_shapes()
         head_shapes: dict = {}
         skipped: dict = {}
+        seen: dict = {}          # backbone-relative name -> shape
+        prefixes: dict = {}      # the backbone prefix the checkpoint uses (to name missing tensors)
+        names: set = set()
+        unexpected: list = []
+        duplicated: list = []
+        mismatched: list = []
 
         def backbone_weights():
             for name, loaded_weight in weights:
+                if name in names:
+                    duplicated.append(name)
+                    continue
+                names.add(name)
                 kind, target = route_weight(name)
+                shape = tuple(loaded_weight.shape)
                 if kind == BACKBONE:
+                    prefix = name[: len(name) - len(target)]
+                    prefixes[prefix] = prefixes.get(prefix, 0) + 1
+                    if target not in expected:
+                        unexpected.append(name)
+                        continue
+                    seen[target] = shape
+                    if shape != expected[target]:
+                        # SGLang's sharded loaders would narrow an oversized tensor silently
+                        mismatched.append(f"{name} {list(shape)} (expected {list(expected[target])})")
+                        continue
                     yield target, loaded_weight
                 elif kind == HEAD:
-                    head_shapes[target] = tuple(loaded_weight.shape)
-                    if target == "weight" and head_shapes[target] == tuple(self.score.weight.shape):
+                    head_shapes[target] = shape
+                    if target == "weight" and shape == tuple(self.score.weight.shape):
                         default_weight_loader(self.score.weight, loaded_weight)
                 elif kind == SKIP:
                     skipped[target] = skipped.get(target, 0) + 1
                 else:
-                    logger.warning(f"Ignoring unexpected checkpoint tensor {name}")
+                    unexpected.append(name)
 
         # Streamed: the backbone loads each tensor as it arrives, nothing is held back.
-        loaded = self.model.load_weights(backbone_weights())
-        check_head_weights(head_shapes, self.num_labels, self.text_config.hidden_size)
+        loaded = set(self.model.load_weights(backbone_weights()) or ())
+        prefix = max(prefixes, key=prefixes.get) if prefixes else "model.language_model."
+        missing = [prefix + name for name in sorted(set(expected) - set(seen))]
+        # Model side: every parameter of the backbone was written by SGLang's loader (fused
+        # q/k/v, gate/up and GDN projections count once each). Buffers are derived, not loaded.
+        unfilled = sorted(set(dict(self.model.named_parameters())) - loaded)
+        other = []
+        try:
+            check_head_weights(head_shapes, self.num_labels, self.text_config.hidden_size)
+        except ValueError as exc:
+            other.append(str(exc))
+        if unfilled and not (missing or mismatched):
+            other.append(f"{len(unfilled)} model parameter(s) not filled by the checkpoint: "
+                         f"{', '.join(unfilled[:20])}")
+        problems = loading_problems(missing, unexpected, duplicated, mismatched, other)
+        refuse_if_problems(problems)  # SGLang's scheduler logs it and ends the server
         for why, count in skipped.items():
             logger.info(f"Skipped {count} checkpoint tensors: {why}")
-        loaded_params = {add_prefix(name, "model") for name in (loaded or ())}
+        logger.info(f"Strict loading: {len(seen)} backbone tensors and score.weight loaded, each exactly once")
+        loaded_params = {add_prefix(name, "model") for name in loaded}
         loaded_params.add("score.weight")
         return loaded_params
 

