@@ -486,6 +486,9 @@ main() {
     parse_args "$@"
     read_settings
     resolve_python
+    # The cheap, definitive refusal first: a port that has a listener is refused before the GPU and
+    # runtime probes (which import SGLang, seconds) and before anything is loaded.
+    ((PRINT_COMMAND)) || check_port
     PROFILE="" CC_PATH="" CXX_PATH="" RUNTIME_LABEL="" DIALECT="" RUNTIME_NOTE=""
     if [[ $BACKEND == sglang ]]; then
         detect_profile
@@ -498,7 +501,6 @@ main() {
         print_command
         exit 0
     fi
-    check_port
     [[ -z $RUNTIME_NOTE ]] || printf '%s: note: %s\n' "$PROG" "$RUNTIME_NOTE" >&2
     make_cache_dirs
     local kv
