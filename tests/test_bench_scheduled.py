@@ -85,7 +85,9 @@ def test_two_runs_make_two_entries_and_no_regression(history, fixtures):
         assert rec["server_config"]["profile"]["max_running_requests"] == 16
         for mode in ("cold", "warm"):
             assert (history / "runs" / n / "tune" / "scheduled" / f"S.{mode}.json").is_file()
-    r = run([PY, str(REPORT), "--history", str(history)])
+    # the same band as the runs were judged with (sched_args): the default 10 % is for quiet GPUs,
+    # not two shared CPU cores (a CI run measured +31 % between two identical runs)
+    r = run([PY, str(REPORT), "--history", str(history), "--rel-floor", "1.0"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "no regression" in r.stdout and "S/cold median_s" in r.stdout and "S/warm median_s" in r.stdout
     runs = report.load_history(history)
