@@ -678,6 +678,66 @@ def create_app(engine: Engine) -> FastAPI:
     return app
 
 
+class CoalescingTransport:
+    """An asyncio transport whose writes made in one event-loop turn leave in one write.
+
+    uvicorn's h11 protocol writes a response in two or three pieces (status line and headers,
+    body, end of message), each its own send() and, with TCP_NODELAY, its own segment. A replica
+    killed between them (SIGKILL, OOM kill) leaves the gateway holding headers without a body, a
+    broken response that HAProxy can no longer retry elsewhere (seen as IncompleteRead in the
+    failover test). Coalesced, a response is in the kernel whole or not at all; an empty
+    response is one HAProxy retries on the other replica.
+    """
+
+    def __init__(self, transport: asyncio.Transport):
+        self._transport = transport
+        self._pending: list[bytes] = []
+        self._loop = asyncio.get_running_loop()
+
+    def write(self, data) -> None:
+        if not data:
+            return
+        if not self._pending:
+            self._loop.call_soon(self._flush)
+        self._pending.append(bytes(data))
+
+    def writelines(self, chunks) -> None:
+        for chunk in chunks:
+            self.write(chunk)
+
+    def _flush(self) -> None:
+        if self._pending:
+            data = b"".join(self._pending)
+            self._pending.clear()
+            if not self._transport.is_closing():
+                self._transport.write(data)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._pending.clear()
+        self._transport.abort()
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + sum(map(len, self._pending))
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+
+def coalescing_h11_protocol() -> type:
+    """uvicorn's h11 protocol over a CoalescingTransport (uvicorn.Config(http=...))."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class CoalescingH11Protocol(H11Protocol):
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(CoalescingTransport(transport))
+
+    return CoalescingH11Protocol
+
+
 def release_large_allocations_to_the_os() -> str:
     """glibc raises its mmap threshold after a large block is freed (up to 32 MiB), so later large
     request bodies land in heap arenas that are not given back: RSS stayed 2-4 GB after a 20 MB body.
@@ -712,7 +772,7 @@ def main() -> int:
     engine = Engine(args)
     engine.allocator = allocator
     config = uvicorn.Config(create_app(engine), log_level=args.log_level, access_log=args.access_log,
-                            timeout_graceful_shutdown=30, lifespan="off")
+                            timeout_graceful_shutdown=30, lifespan="off", http=coalescing_h11_protocol())
     server = uvicorn.Server(config)
 
     def failed() -> None:

@@ -265,3 +265,71 @@ def test_server_with_a_corrupted_checkpoint_never_reports_healthy(tiny_model, tm
     assert code == 1 and 200 not in statuses and set(statuses) <= {503}, (code, statuses, log[-2000:])
     lines = error_lines(log)
     assert len(lines) == 1 and "model failed to load" in lines[0] and expect[0] in lines[0], log[-2000:]
+
+
+def _server_writes_per_response(http_protocol) -> list[int]:
+    """Serve three JSON responses (FastAPI, as the backend) with uvicorn on 127.0.0.1 and count the
+    writes the server's real asyncio transports made for each (a counting wrapper around
+    _SelectorSocketTransport.write; the client is http.client, so every counted write is the server's)."""
+    import asyncio
+    import http.client
+    import threading
+    from asyncio import selector_events
+
+    import uvicorn
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    from _common import bind_listen_socket
+
+    app = FastAPI()
+
+    @app.post("/classify")
+    async def classify():
+        return JSONResponse({"logits": [[0.25, -1.5, 3.0]]})
+
+    writes: list[bytes] = []
+    original = selector_events._SelectorSocketTransport.write
+
+    def counting(self, data):
+        writes.append(bytes(data))
+        return original(self, data)
+
+    port = free_port()
+    sock = bind_listen_socket("127.0.0.1", port)
+    kwargs = {} if http_protocol is None else {"http": http_protocol}
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning", **kwargs))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+    selector_events._SelectorSocketTransport.write = counting
+    try:
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        counts = []
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        for _ in range(3):
+            before = len(writes)
+            conn.request("POST", "/classify", body=b"{}", headers={"Content-Type": "application/json"})
+            r = conn.getresponse()
+            assert r.status == 200 and json.loads(r.read()) == {"logits": [[0.25, -1.5, 3.0]]}
+            counts.append(len(writes) - before)
+        conn.close()
+    finally:
+        selector_events._SelectorSocketTransport.write = original
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+    return counts
+
+
+def test_a_response_leaves_the_backend_in_one_write():
+    """A replica SIGKILLed between the header write and the body write (failover under load) left
+    the gateway with headers and no body: the client got IncompleteRead, which HAProxy cannot
+    retry (CI, test_replica_crash_fails_no_request_and_the_replica_rejoins). uvicorn alone writes
+    each response in pieces; the backend's protocol writes each response once."""
+    import serve_transformers
+
+    assert all(n >= 2 for n in _server_writes_per_response(None))  # the defect: several writes
+    assert _server_writes_per_response(serve_transformers.coalescing_h11_protocol()) == [1, 1, 1]
