@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU session of issue 14 (the embedded backend and the reference scorer at the GPU's speed) and
-# issue 15 (gateway over two replicas on one GPU). Receipts land in results_h200/; an NVIDIA H200
+# issue 15 (gateway over two replicas on one GPU, stage "replicas"). Receipts land in results_h200/; an NVIDIA H200
 # is an SM90 development machine, not a V100.
 #
 #   bash benchmarks/h200_session14.sh OUTDIR        # on the GPU machine, from the repository root
@@ -18,6 +18,13 @@
 #                  (batches of 32, 4 workers, median of 3, GPU-exclusivity monitor), then
 #                  benchmarks/compute_bound.py adds the fraction of the fp16 matmul peak
 #   http16         the same with --max-running-requests 16
+#   replicas       issue 15 on a one-GPU machine: a 128-row set of short premises (64-256 tokens) and
+#                  its FP16 reference, then benchmarks/bench_replicas_gpu.py --share-gpu 0 (the gateway
+#                  and two embedded replicas run by deploy/unit_runner.py, both on GPU 0; placement,
+#                  exclusivity, throughput one vs two replicas, failover of 2,000 requests with a
+#                  SIGKILLed replica); HAPROXY names the HAProxy executable (default: haproxy on PATH);
+#                  REPLICA_BATCHING (exact: answers bitwise the reference; padded) and MAX_PROB_DIFF
+#                  (0 = bitwise) set how replicas batch and what counts as a mismatch
 #   http_compiled  the same with OPENJEV_COMPILE=1 (norm and MLP modules through torch.compile)
 # Results are packed after every stage into OUTDIR/results.tgz (a time-out keeps what ran).
 # Environment: PYTHON (default python3), WORK (default /tmp/openjev-h200), SHAPE (qwen3.5-4b),
@@ -122,8 +129,25 @@ stage_http16() {  # 16 rows per forward instead of SERVER_ARGS'
   SERVER_ARGS="--max-running-requests 16" HTTP_LABEL=embedded_${SHAPE}_${DEVICE}_mrr16 stage_http
 }
 
+stage_replicas() {  # issue 15: two replicas sharing GPU 0 behind the gateway
+  local set="$W/set-128-64-256" ref="$W/ref15-$SHAPE-$DEVICE"
+  local out="$R/two_gpu/replicas_shared_gpu0_${REPLICA_BATCHING:-exact}.json"
+  [ -e "$set.jsonl" ] || "$PY" app/make_synthetic_inputs.py "$set" --rows 128 --premise-tokens 64:256 --vocab 512 --seed 15 || return 1
+  [ -d "$ref" ] || "$PY" app/score_reference.py --model "$MODEL" --tokens "$set.tokens.jsonl" --inputs "$set.jsonl" \
+    --out "$ref" --device "$DEVICE" || return 1
+  mkdir -p "$R/two_gpu"
+  "$PY" benchmarks/bench_replicas_gpu.py --model "$MODEL" --inputs "$set.jsonl" --tokens "$set.tokens.jsonl" \
+    --reference "$ref" --share-gpu 0 --device "$DEVICE" --out "$out" --work "$W/replicas-work" \
+    --env MAX_RUNNING_REQUESTS=32 --machine-label "$LABEL" ${HAPROXY:+--haproxy "$HAPROXY"} \
+    --replica-args "--batching ${REPLICA_BATCHING:-exact}" --max-prob-diff "${MAX_PROB_DIFF:-0}"
+  local rc=$?
+  cp "$W"/replicas-work/journal/*.log "$R/two_gpu/" 2>/dev/null
+  return $rc
+}
+
 export PY W R SHAPE DEVICE ROWS LABEL DTYPE SET MODEL REF PROFILE_ARGS SERVER_ARGS HTTP_LABEL REF_WORKERS OPENJEV_COMPILE
-export -f free_port stage_prep stage_profile stage_profile_torch stage_reference stage_reference_w1 stage_reference_torch stage_http stage_http_compiled stage_http16
+export HAPROXY=${HAPROXY:-}
+export -f free_port stage_replicas stage_prep stage_profile stage_profile_torch stage_reference stage_reference_w1 stage_reference_torch stage_http stage_http_compiled stage_http16
 for s in ${STAGES:-prep profile profile_torch reference http}; do
   log "stage $s"
   timeout -k 10 "$TO" bash -c "stage_$s" 2>&1 | tee "$R/stage_$s.log"
