@@ -16,19 +16,12 @@ demo: venv
 OPENJEV_SGLANG_VERSIONS ?= 0.5.13 0.5.14 0.5.23
 SGLANG_TESTS := tests/test_sglang_openjev.py tests/test_serve_sglang_v100.py
 # Tests a version cannot run yet, by name, with the reason test-sglang prints (shown as deselected).
-# 0.5.23: the CPU-engine probe of test_sglang_openjev.py stops at sgl_kernel 0.4.10's common_ops,
-# which needs libcuda.so.1 under SGLANG_USE_CPU_ENGINE=1, and SGLang's own /server_info there has
-# no internal_states (issue 10 report; the CPU engine on 0.5.23 is issue 17's work).
-SGLANG_DESELECT_0.5.23 := $(foreach t,test_registry_discovers_the_architecture_from_the_package \
-  test_sglang_loader_puts_the_checkpoint_in_place test_head_bias_in_the_checkpoint_is_refused \
-  test_sglang_loader_refuses_a_corrupted_checkpoint_with_the_list \
-  test_sglang_backbone_alone_would_take_an_oversized_tensor test_last_token_pooling_through_score_and_pool \
-  test_server_args_treat_the_architecture_as_hybrid_gdn test_server_info_has_the_contract_keys,\
-  --deselect tests/test_sglang_openjev.py::$(t))
+# 0.5.23: SGLang's own /server_info there has no internal_states, which the merge test reads.
+SGLANG_DESELECT_0.5.23 := --deselect tests/test_sglang_openjev.py::test_server_info_has_the_contract_keys
 # Modules run only in one version's venv: 0.5.23's real CPU engine with the adapter (issue 17; the CPU
 # ops are openjev_testsupport's stand-ins, sgl-kernel's CPU library cannot be installed here).
 SGLANG_EXTRA_TESTS_0.5.23 := tests/test_sglang_cpu_engine.py
-SGLANG_DESELECT_WHY_0.5.23 := the CPU-engine probe needs sgl_kernel 0.4.10 common_ops (libcuda.so.1); no internal_states in 0.5.23's /server_info
+SGLANG_DESELECT_WHY_0.5.23 := no internal_states in 0.5.23's own /server_info (test_server_info_has_the_contract_keys)
 
 .PHONY: provision sglang-venvs test-sglang
 

@@ -22,6 +22,7 @@ Three layers:
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import math
 import os
@@ -548,6 +549,15 @@ def sglang_server_args():
     return _SGLANG_ARGS_CACHE["sa"]
 
 
+def published_runtime_context() -> bool:
+    """SGLang >= 0.5.23: process-wide config published from ServerArgs (sglang/srt/runtime_context.py)
+    and parallel groups built by sglang/srt/distributed/bootstrap.py. Looked up as a file, so
+    nothing of SGLang is imported in the test process."""
+    spec = importlib.util.find_spec("sglang")
+    return bool(spec and spec.submodule_search_locations and
+                any((Path(d) / "srt" / "distributed" / "bootstrap.py").is_file() for d in spec.submodule_search_locations))
+
+
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
     """Run the CPU-engine probe below in a fresh process and return its JSON report."""
@@ -556,6 +566,14 @@ def probe(tmp_path_factory):
     out = tmp_path_factory.mktemp("probe")
     env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "SGLANG_EXTERNAL_MODEL_PACKAGE": "sglang_openjev",
            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    if published_runtime_context():
+        # sgl_kernel 0.4.10 (SGLang 0.5.23) cannot import without libcuda and falls back to a
+        # `common_ops` module, which sglang_openjev_cpu provides (the project's stand-ins unless
+        # OPENJEV_SGL_CPU_OPS names a built library); older releases import sgl_kernel without it.
+        from sglang_openjev_cpu import runtime as cpu_runtime
+
+        env.setdefault("OPENJEV_SGL_CPU_OPS", "standin")
+        cpu_runtime.configure_environment(env)
     proc = subprocess.run([sys.executable, __file__, "--probe", str(out)], capture_output=True, text=True, env=env,
                           cwd=REPO, timeout=600)
     report = out / "report.json"
@@ -643,6 +661,10 @@ def _probe(out_dir: str) -> None:  # pragma: no cover - runs in a subprocess
     """SGLang CPU engine, tp=1, gloo: registry, model loader, pooling. Writes out_dir/report.json."""
     import dataclasses
 
+    if published_runtime_context():
+        from sglang_openjev_cpu import runtime as cpu_runtime
+
+        cpu_runtime.install()  # before sgl_kernel is imported (the fixture chose the ops)
     import torch
     from safetensors.torch import save_file
 
@@ -672,10 +694,21 @@ def _probe(out_dir: str) -> None:  # pragma: no cover - runs in a subprocess
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
     def args_view(sa):
-        return {k: getattr(sa, k, None) for k in ("uses_mamba_radix_cache", "page_size", "disable_overlap_schedule",
+        view = sa
+        if published_runtime_context():  # 0.5.23 resolves on demand, never mutating ServerArgs: read what
+            from sglang.srt.arg_groups.model_override_base import resolved_view  # resolution declared
+
+            sa.resolve_once()
+            view = resolved_view(sa)
+        return {k: getattr(view, k, None) for k in ("uses_mamba_radix_cache", "page_size", "disable_overlap_schedule",
                                                    "mamba_scheduler_strategy", "disable_radix_cache")}
 
     base = dict(model_path=str(ckpt), device="cpu", is_embedding=True, skip_tokenizer_init=True, dtype="float32")
+    if published_runtime_context():
+        # 0.5.23's argument pipeline: "auto" picks extra_buffer for an admitted hybrid architecture
+        # (GPU state snapshots, refused on CPU), and an explicit no_buffer must come with the overlap
+        # schedule off (older releases switch it off themselves, which the test checks there)
+        base.update(mamba_radix_cache_strategy="no_buffer", disable_overlap_schedule=True)
     report["server_args_before"] = args_view(ServerArgs(**base))
     launch_server.register_hybrid_architectures()
     assert linear_attn_model_registry.get_linear_attn_spec_by_arch("Qwen3_5ForSequenceClassification") is not None
@@ -696,10 +729,18 @@ def _probe(out_dir: str) -> None:  # pragma: no cover - runs in a subprocess
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                 distributed_init_method=f"tcp://127.0.0.1:{port}")
-    initialize_model_parallel(1)
-    initialize_dp_attention(sa, mc)
+    if published_runtime_context():  # what 0.5.23's scheduler process does before it loads the model
+        from sglang.srt.distributed import bootstrap
+        from sglang.srt.runtime_context import SpawnRanks, publish
+
+        publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
+        bootstrap.init_parallel_runtime(server_args=sa, device="cpu", dist_port=port)
+        bootstrap.init_layer_runtime(model_config=mc)
+    else:
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+        initialize_model_parallel(1)
+        initialize_dp_attention(sa, mc)
     model_cls, _ = get_model_architecture(mc)
     assert model_cls is cls
     sg = get_model(model_config=mc, load_config=load_config, device_config=DeviceConfig("cpu"))
