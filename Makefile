@@ -15,13 +15,12 @@ demo: venv
 # its stamp matches). OPENJEV_SGLANG_VERSIONS= (empty) leaves them out.
 OPENJEV_SGLANG_VERSIONS ?= 0.5.13 0.5.14 0.5.23
 SGLANG_TESTS := tests/test_sglang_openjev.py tests/test_serve_sglang_v100.py
-# Tests a version cannot run yet, by name, with the reason test-sglang prints (shown as deselected).
-# 0.5.23: SGLang's own /server_info there has no internal_states, which the merge test reads.
-SGLANG_DESELECT_0.5.23 := --deselect tests/test_sglang_openjev.py::test_server_info_has_the_contract_keys
+# Tests a version cannot run yet, by name, with the reason test-sglang prints (shown as deselected):
+# SGLANG_DESELECT_<version> := --deselect tests/...::test_name, SGLANG_DESELECT_WHY_<version> := reason.
+# None at present.
 # Modules run only in one version's venv: 0.5.23's real CPU engine with the adapter (issue 17; the CPU
 # ops are openjev_testsupport's stand-ins, sgl-kernel's CPU library cannot be installed here).
 SGLANG_EXTRA_TESTS_0.5.23 := tests/test_sglang_cpu_engine.py
-SGLANG_DESELECT_WHY_0.5.23 := no internal_states in 0.5.23's own /server_info (test_server_info_has_the_contract_keys)
 
 .PHONY: provision sglang-venvs test-sglang
 
