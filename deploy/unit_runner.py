@@ -17,7 +17,8 @@ reproduces only the parts of systemd's behaviour that the deployment relies on:
                  Environment= and EnvironmentFile=; specifiers %i %I %n %N %t %h %u %%;
                  ${VAR} and $VAR in ExecStart as systemd expands them; WorkingDirectory=;
                  RuntimeDirectory= under the runtime directory (%t), removed on stop.
-  stop           KillSignal= to the main PID (KillMode=mixed), TimeoutStopSec=, then SIGKILL to
+  stop           KillSignal= to the main PID (KillMode=mixed), repeated every 2 s while it runs (a
+                 signal landing in HAProxy's post-READY re-exec is lost), TimeoutStopSec=, then SIGKILL to
                  the rest of the unit's processes (a process group stands in for the cgroup).
   restart policy Restart=always / on-failure with RestartSec= (clean exit: 0, SuccessExitStatus=,
                  SIGHUP/SIGINT/SIGTERM/SIGPIPE).
@@ -420,12 +421,30 @@ class ServiceUnit:
                     os.killpg(proc.pid, sig)
             except ProcessLookupError:
                 pass
-            try:
-                proc.wait(parse_duration(self.unit.get("Service", "TimeoutStopSec", "90s")))
-            except subprocess.TimeoutExpired:
-                self.record("stop timed out", "SIGKILL")
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(30)
+            # The signal is repeated every 2 s while the main process runs: HAProxy's master re-executes
+            # itself right after READY=1 (master-worker wait mode), and a KillSignal that lands in
+            # that window is lost (seen: SIGUSR1 0.1 s after READY, no soft stop in 60 s). Repeating
+            # KillSignal is harmless for both services (a soft stop or a graceful exit already begun).
+            deadline = time.monotonic() + parse_duration(self.unit.get("Service", "TimeoutStopSec", "90s"))
+            while True:
+                try:
+                    proc.wait(max(0.0, min(2.0, deadline - time.monotonic())))
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                if time.monotonic() >= deadline:
+                    self.record("stop timed out", "SIGKILL")
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(30)
+                    break
+                self.record("stopping", f"{sig.name} again to {'pid' if mode == 'mixed' else 'group'} {proc.pid}")
+                try:
+                    if mode == "mixed":
+                        os.kill(proc.pid, sig)
+                    else:
+                        os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
             if self._supervisor is not None:
                 self._supervisor.join(10)
             for d in self.unit.all("Service", "RuntimeDirectory"):
