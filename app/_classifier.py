@@ -115,20 +115,82 @@ def load_classifier(path: str | Path, device: str = "auto", dtype: str = "auto")
                       kernels=kernel_path(model))
 
 
-def score_exact(clf: Classifier, rows: list[list[int]]) -> np.ndarray:
-    """One unpadded forward per row -> float32 [n, 3] logits in C/E/N order."""
+def score_exact(clf: Classifier, rows: list[list[int]], threads: int = 1, progress=None) -> np.ndarray:
+    """One unpadded forward per row -> float32 [n, 3] logits in C/E/N order.
+
+    The forward is Transformers' own with use_cache=False: a classifier never reads the cache
+    object (conv and recurrent states, key/value pairs) that use_cache would build and fill.
+    The logits are bitwise those of the default call (H200, results_h200/embedded14/call5-variants:
+    128 rows bitwise equal; CPU: tests/test_score_reference.py). Logits stay on the device and are
+    copied back once, so no row waits for the previous one to finish.
+
+    threads > 1 (CUDA only; a CPU runs one): that many Python threads share the model, each with
+    its own CUDA stream, rows handed out longest first. A warm exact forward is launch-bound (CPU
+    time above GPU time), so a second thread fills the GPU while the first launches. Each row runs
+    the same kernels on the same shapes, so the logits are bitwise those of one thread (measured on
+    the H200 in call5-variants). `progress(n)` is called as rows are queued."""
     import torch
 
-    out = np.empty((len(rows), len(LABELS)), dtype=np.float32)
+    if not rows:
+        return np.empty((0, len(LABELS)), dtype=np.float32)
+    if threads > 1 and str(clf.device).startswith("cuda"):
+        kept = _exact_in_threads(clf, rows, threads, progress)
+    else:
+        kept = []
+        with torch.inference_mode():
+            for row in rows:
+                kept.append(_forward(clf, torch.tensor([row], dtype=torch.long, device=clf.device))[0])
+                if progress is not None:
+                    progress(1)
     with torch.inference_mode():
-        for i, row in enumerate(rows):
-            ids = torch.tensor([row], dtype=torch.long, device=clf.device)
-            out[i] = clf.model(input_ids=ids).logits[0].float().cpu().numpy()
-    return out
+        return torch.stack(kept).float().cpu().numpy().astype(np.float32, copy=False)
+
+
+def _forward(clf: Classifier, ids, mask=None):
+    return clf.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+
+def _exact_in_threads(clf: Classifier, rows: list[list[int]], threads: int, progress) -> list:
+    import threading
+
+    import torch
+
+    order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
+    lock = threading.Lock()
+    nxt = [0]
+    kept: list = [None] * len(rows)
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            stream = torch.cuda.Stream(device=clf.device)
+            with torch.inference_mode(), torch.cuda.stream(stream):
+                while not errors:
+                    with lock:
+                        if nxt[0] >= len(order):
+                            break
+                        i = order[nxt[0]]
+                        nxt[0] += 1
+                    kept[i] = _forward(clf, torch.tensor([rows[i]], dtype=torch.long, device=clf.device))[0]
+                    if progress is not None:
+                        progress(1)
+                stream.synchronize()
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread below
+            errors.append(exc)
+
+    workers = [threading.Thread(target=work, name=f"exact-{k}", daemon=True) for k in range(min(threads, len(rows)))]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    if errors:
+        raise errors[0]
+    return kept
 
 
 def score_padded(clf: Classifier, rows: list[list[int]]) -> np.ndarray:
-    """Rows right-padded into one forward with an attention mask -> float32 [n, 3]."""
+    """Rows right-padded into one forward with an attention mask -> float32 [n, 3]
+    (use_cache=False as in score_exact)."""
     import torch
 
     if clf.pad_token_id is None:  # Transformers cannot pool a padded batch without a pad id
@@ -140,7 +202,7 @@ def score_padded(clf: Classifier, rows: list[list[int]]) -> np.ndarray:
         ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
         mask[i, : len(row)] = 1
     with torch.inference_mode():
-        logits = clf.model(input_ids=ids.to(clf.device), attention_mask=mask.to(clf.device)).logits
+        logits = _forward(clf, ids.to(clf.device), mask.to(clf.device))
     return logits.float().cpu().numpy().astype(np.float32, copy=False)
 
 

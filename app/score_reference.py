@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2,
                    help="untimed forwards before the timed pass, compiling the kernels (default: 2)")
     p.add_argument("--no-peak", action="store_true", help="skip the matmul-peak measurement of compute_bound")
+    p.add_argument("--threads", type=int, default=0,
+                   help="exact mode on a GPU: threads sharing the model, a CUDA stream each (a warm exact forward "
+                        "is launch-bound; the logits do not depend on it); 0 = auto: 2 on a GPU, 1 on a CPU "
+                        "(default: 0)")
     p.add_argument("--workers", type=int, default=1,
                    help="processes sharing the device, each loading the model and scoring a share of the rows "
                         "with the same forwards (one forward is launch-bound on a GPU: 2 keep it busy); the "
@@ -74,12 +78,22 @@ def load_checked(args, rows, row_ids):
     return clf
 
 
-def score_units(clf, rows, units, out, bar=None) -> None:
+def resolve_threads(requested: int, device: str, batch_size: int) -> int:
+    """--threads: 0 = 2 on a GPU in exact mode, else 1; a CPU or padded batches run one."""
+    if batch_size > 1 or not str(device).startswith("cuda"):
+        return 1
+    return requested or 2
+
+
+def score_units(clf, rows, units, out, threads=1, bar=None) -> None:
     from _classifier import score_exact, score_padded
 
-    for unit in units:
-        part = [rows[i] for i in unit]
-        out[unit] = score_exact(clf, part) if len(unit) == 1 else score_padded(clf, part)
+    singles = [u[0] for u in units if len(u) == 1]
+    if singles:  # exact rows in one call: deferred copies, and threads where asked
+        out[singles] = score_exact(clf, [rows[i] for i in singles], threads,
+                                   progress=bar.update if bar is not None else None)
+    for unit in (u for u in units if len(u) > 1):
+        out[unit] = score_padded(clf, [rows[i] for i in unit])
         if bar is not None:
             bar.update(len(unit))
 
@@ -91,10 +105,12 @@ def score_here(args, rows, row_ids, units):
     warm = warm_up(clf, rows, args.warmup, padded=args.batch_size > 1)
     logits = np.empty((len(rows), len(LABELS)), dtype=np.float32)
     t0 = time.perf_counter()
+    threads = resolve_threads(args.threads, clf.device, args.batch_size)
     with tqdm(total=len(rows), unit="row", desc="reference", disable=None, file=sys.stderr) as bar:
-        score_units(clf, rows, units, logits, bar)
+        score_units(clf, rows, units, logits, threads, bar)
     elapsed = time.perf_counter() - t0
-    return {"dtype": clf.dtype, "device": clf.device, "kernels": clf.kernels, "warmup": warm}, logits, elapsed
+    return ({"dtype": clf.dtype, "device": clf.device, "kernels": clf.kernels, "warmup": warm, "threads": threads},
+            logits, elapsed)
 
 
 def _worker(args, rows, row_ids, units, ready, go, results) -> None:
@@ -104,10 +120,11 @@ def _worker(args, rows, row_ids, units, ready, go, results) -> None:
 
         clf = load_checked(args, rows, row_ids)
         warm = warm_up(clf, rows, args.warmup, padded=args.batch_size > 1)
-        ready.put({"dtype": clf.dtype, "device": clf.device, "kernels": clf.kernels, "warmup": warm})
+        threads = resolve_threads(args.threads, clf.device, args.batch_size)
+        ready.put({"dtype": clf.dtype, "device": clf.device, "kernels": clf.kernels, "warmup": warm, "threads": threads})
         go.wait()
         out = np.empty((len(rows), len(LABELS)), dtype=np.float32)
-        score_units(clf, rows, units, out)
+        score_units(clf, rows, units, out, threads)
         if clf.device.startswith("cuda"):
             import torch
 
@@ -169,8 +186,8 @@ def main() -> int:
     args = build_parser().parse_args()
     if args.out.exists():
         raise UserError(f"output directory {args.out} already exists; refusing to overwrite it")
-    if args.batch_size < 1 or args.truncate < 1 or args.warmup < 0 or args.workers < 1:
-        raise UserError("--batch-size, --truncate and --workers must be positive, --warmup not negative")
+    if args.batch_size < 1 or args.truncate < 1 or args.warmup < 0 or args.workers < 1 or args.threads < 0:
+        raise UserError("--batch-size, --truncate and --workers must be positive, --warmup and --threads not negative")
     if args.kernels:
         os.environ["OPENJEV_KERNELS"] = args.kernels
     row_ids, rows = read_tokens(args.tokens)
@@ -213,6 +230,7 @@ def main() -> int:
         "model": {"path": str(args.model), "resolved": str(args.model.resolve()), "files": weight_files(args.model)},
         "backend": "transformers", "dtype": clf_dtype, "device": clf_device,
         "mode": "exact" if args.batch_size == 1 else "padded", "batch_size": args.batch_size, "workers": args.workers,
+        "threads": {"requested": args.threads, "ran": info["threads"]},
         "logits_sha256": sha256_file(staging / "reference.npy"), "elapsed_s": round(elapsed, 3),
         "rows_per_s": round(len(rows) / elapsed, 3) if elapsed > 0 else None,
         "warmup": warm, "kernel_path": kernels, "compute_bound": bound,
@@ -220,7 +238,7 @@ def main() -> int:
     })
     staging.rename(args.out)
     print(f"wrote {args.out}/reference.npy ({len(rows)} rows, {clf_dtype} on {clf_device}, {elapsed:.1f} s, "
-          f"{len(rows) / elapsed:.2f} rows/s, {args.workers} worker(s), kernels {path_label(kernels)}"
+          f"{len(rows) / elapsed:.2f} rows/s, {args.workers} worker(s) x {info['threads']} thread(s), kernels {path_label(kernels)}"
           + (f", {bound['fraction_of_peak']:.3f} of the {bound['peak_dtype']} matmul peak" if bound else "") + ")")
     return 0
 

@@ -13,6 +13,7 @@
 #   reference      app/score_reference.py, exact (one unpadded row per forward), FP16, REF_WORKERS
 #                  processes (default 1)
 #   reference_w1   the same with one process; checks the logits are bitwise equal
+#   reference_t1   the same with --threads 1 (the default runs 2 on a GPU); checks the logits are bitwise equal
 #   reference_torch  the same with --kernels torch (figure only; its logits are not the reference)
 #   http           app/serve_transformers.py + app/bench_classify_v100.py through /classify
 #                  (batches of 32, 4 workers, median of 3, GPU-exclusivity monitor), then
@@ -26,6 +27,8 @@
 #                  REPLICA_BATCHING (exact: answers bitwise the reference; padded) and MAX_PROB_DIFF
 #                  (0 = bitwise) set how replicas batch and what counts as a mismatch
 #   http_compiled  the same with OPENJEV_COMPILE=1 (norm and MLP modules through torch.compile)
+#   variants       benchmarks/gpu_variants14.py: exact-loop and padded-forward variants in one process,
+#                  each compared with the baseline exact pass (VARIANTS: its --variants list)
 # Results are packed after every stage into OUTDIR/results.tgz (a time-out keeps what ran).
 # Environment: PYTHON (default python3), WORK (default /tmp/openjev-h200), SHAPE (qwen3.5-4b),
 # DEVICE (cuda), ROWS (128), SERVER_ARGS (serve_transformers.py flags; default --max-running-requests 8), HTTP_LABEL,
@@ -91,6 +94,15 @@ stage_reference_w1() {  # one process: same logits bitwise as the --workers run?
     | tee "$R/reference_w1/bitwise.txt"
 }
 
+stage_reference_t1() {  # one thread (--threads 1): same logits bitwise as the threaded run?
+  rm -rf "$REF-t1"
+  "$PY" app/score_reference.py --model "$MODEL" --tokens "$SET.tokens.jsonl" --inputs "$SET.jsonl" --out "$REF-t1" \
+    --device "$DEVICE" --threads 1 || return 1
+  mkdir -p "$R/reference_t1" && cp "$REF-t1/reference.json" "$R/reference_t1/"
+  cmp "$REF/reference.npy" "$REF-t1/reference.npy" && echo "reference.npy bitwise equal for --threads auto and 1" \
+    | tee "$R/reference_t1/bitwise.txt"
+}
+
 stage_reference_torch() {
   rm -rf "$REF-torch"
   "$PY" app/score_reference.py --model "$MODEL" --tokens "$SET.tokens.jsonl" --inputs "$SET.jsonl" \
@@ -121,6 +133,11 @@ stage_http() {
   return $rc
 }
 
+stage_variants() {
+  "$PY" benchmarks/gpu_variants14.py --model "$MODEL" --tokens "$SET.tokens.jsonl" --out "$R/variants" \
+    --device "$DEVICE" ${VARIANTS:+--variants "$VARIANTS"}
+}
+
 stage_http_compiled() {  # the same server with OPENJEV_COMPILE=1 (norm/MLP modules compiled)
   OPENJEV_COMPILE=1 HTTP_LABEL=embedded_${SHAPE}_${DEVICE}_compiled stage_http
 }
@@ -145,9 +162,10 @@ stage_replicas() {  # issue 15: two replicas sharing GPU 0 behind the gateway
   return $rc
 }
 
-export PY W R SHAPE DEVICE ROWS LABEL DTYPE SET MODEL REF PROFILE_ARGS SERVER_ARGS HTTP_LABEL REF_WORKERS OPENJEV_COMPILE
+export PY W R SHAPE DEVICE ROWS LABEL DTYPE SET MODEL REF PROFILE_ARGS SERVER_ARGS HTTP_LABEL REF_WORKERS OPENJEV_COMPILE VARIANTS
+export VARIANTS=${VARIANTS:-}
 export HAPROXY=${HAPROXY:-}
-export -f free_port stage_replicas stage_prep stage_profile stage_profile_torch stage_reference stage_reference_w1 stage_reference_torch stage_http stage_http_compiled stage_http16
+export -f free_port stage_replicas stage_prep stage_profile stage_profile_torch stage_reference stage_reference_w1 stage_reference_t1 stage_reference_torch stage_variants stage_http stage_http_compiled stage_http16
 for s in ${STAGES:-prep profile profile_torch reference http}; do
   log "stage $s"
   timeout -k 10 "$TO" bash -c "stage_$s" 2>&1 | tee "$R/stage_$s.log"

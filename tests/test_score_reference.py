@@ -5,11 +5,12 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import sys
 
 import numpy as np
 import pytest
 
-from conftest import SAMPLE, error_lines, run_script, token_rows, tree_digest
+from conftest import REPO, SAMPLE, error_lines, run_script, token_rows, tree_digest
 
 
 def sha(path):
@@ -120,6 +121,7 @@ def test_receipt_records_kernel_path_warmup_and_compute_bound(reference):
     assert kp["gdn"] == "torch-fallback" and kp["gdn_chunk_kernel"].endswith("torch_chunk_gated_delta_rule")
     assert "cpu" in kp["selection"]["reason"] and kp["attn_implementation"]
     assert meta["warmup"]["forwards"] == 2 and meta["workers"] == 1
+    assert meta["threads"] == {"requested": 0, "ran": 1}  # auto: one on a CPU
     cb = meta["compute_bound"]
     assert cb["peak_fp16_tflops"] is None and cb["peak_dtype"] == "float32" and cb["peak_tflops"] > 0
     assert cb["model_flops_per_pass"] > 0 and 0 < cb["fraction_of_peak"]
@@ -144,8 +146,61 @@ def test_forced_torch_kernels_are_recorded(overlay, sample_tokens, tmp_path):
     assert meta["warmup"]["forwards"] == 0
 
 
-@pytest.mark.parametrize("flag", [["--workers", "0"], ["--warmup", "-1"]])
+@pytest.mark.parametrize("flag", [["--workers", "0"], ["--warmup", "-1"], ["--threads", "-1"]])
 def test_bad_workers_or_warmup_are_refused(overlay, sample_tokens, tmp_path, flag):
     proc = run_script("score_reference.py", "--model", overlay, "--tokens", sample_tokens, "--out", tmp_path / "r",
                       *flag)
     assert proc.returncode == 1 and error_lines(proc.stderr) and not (tmp_path / "r").exists()
+
+
+def test_threads_on_a_cpu_run_one_and_change_nothing(overlay, sample_tokens, reference, tmp_path):
+    proc = run_script("score_reference.py", "--model", overlay, "--tokens", sample_tokens, "--inputs", SAMPLE,
+                      "--out", tmp_path / "r", "--threads", "3", "--no-peak")
+    assert proc.returncode == 0, proc.stderr
+    assert np.array_equal(np.load(tmp_path / "r" / "reference.npy"), np.load(reference / "reference.npy"))
+    assert json.loads((tmp_path / "r" / "reference.json").read_text())["threads"] == {"requested": 3, "ran": 1}
+    assert "1 worker(s) x 1 thread(s)" in proc.stdout
+
+
+def _classifier_and_rows(overlay, sample_tokens):
+    sys.path.insert(0, str(REPO / "app"))
+    from _classifier import load_classifier
+
+    _, rows = token_rows(sample_tokens)
+    return load_classifier(overlay, "cpu"), rows
+
+
+def test_exact_and_padded_forwards_without_the_cache_are_bitwise_the_default_call(overlay, sample_tokens):
+    """score_exact/score_padded pass use_cache=False (no cache object built and filled); the logits
+    must be bitwise those of Transformers' default call, which builds the cache."""
+    torch = pytest.importorskip("torch")
+    from _classifier import score_exact, score_padded
+
+    clf, rows = _classifier_and_rows(overlay, sample_tokens)
+    rows = rows[:4]
+    with torch.inference_mode():
+        default = np.stack([clf.model(input_ids=torch.tensor([r])).logits[0].float().numpy() for r in rows])
+        width = max(map(len, rows))
+        ids = torch.tensor([r + [clf.pad_token_id] * (width - len(r)) for r in rows])
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+        padded_default = clf.model(input_ids=ids, attention_mask=mask).logits.float().numpy()
+    assert clf.model.config.get_text_config().use_cache  # the default call really builds a cache
+    assert np.array_equal(score_exact(clf, rows), default)
+    assert np.array_equal(score_padded(clf, rows), padded_default)
+    seen = []
+    assert np.array_equal(score_exact(clf, rows, threads=4, progress=seen.append), default)  # CPU: one thread
+    assert sum(seen) == len(rows)
+
+
+def test_exact_threads_on_a_gpu_are_bitwise_one_thread(overlay, sample_tokens):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: the threaded exact path (a CUDA stream per thread) needs one "
+                    "(measured on an H200: results_h200/embedded14/)")
+    from _classifier import load_classifier, score_exact
+
+    _, rows = token_rows(sample_tokens)
+    clf = load_classifier(overlay, "cuda")
+    one = score_exact(clf, rows)
+    assert np.array_equal(score_exact(clf, rows, threads=2), one)
+    assert np.array_equal(score_exact(clf, rows, threads=3), one)

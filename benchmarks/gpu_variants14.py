@@ -1,0 +1,288 @@
+#!/usr/bin/env python3
+"""Issue 14: variants of the exact reference loop and of the serving forwards, in one process, on
+one input set (a benchmark, not a test). Every variant's logits are compared with the baseline
+exact pass (the reference scorer's loop before this change), so a speed-up that moves a number is
+visible next to its figure.
+
+Exact variants (one unpadded row per forward, rows/s over the whole set):
+  exact            score_exact as the reference scorer ran it until now (Transformers' default
+                   use_cache, one device-to-host copy per row)
+  exact_nocache    the same forward with use_cache=False (no cache object, no conv/recurrent
+                   state written; the logits must stay bitwise equal)
+  exact_async      use_cache=False, logits left on the device and copied once at the end
+  exact_threadsN   N Python threads, each with its own CUDA stream, sharing the model
+Padded variants (rows of a forward length-sorted, at most --rows rows and --budget padded tokens,
+as the embedded server's scheduler forms them; fraction of the fp16 matmul peak):
+  padded           score_padded as now;  padded_nocache  with use_cache=False
+  compiled_pointwise  norm/MLP modules through torch.compile with Inductor's
+                   emulate_precision_casts (eager's fp16 rounding kept inside fused kernels)
+  compiled_layers  whole decoder layers compiled likewise, fla's chunk rule left out of the graph
+
+Writes OUT/variants.json after every variant. Example (GPU machine):
+  python3 benchmarks/gpu_variants14.py --model W/model-qwen3.5-4b --tokens W/set.tokens.jsonl --out OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "app"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+from _common import read_tokens, truncate_rows  # noqa: E402
+
+EXACT = ("exact", "exact_nocache", "exact_async", "exact_threads2", "exact_threads3")
+PADDED = ("padded", "padded_nocache", "compiled_pointwise", "compiled_layers")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--tokens", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True, help="directory (created)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--variants", default=",".join(EXACT + PADDED), help="comma list, in order")
+    p.add_argument("--rows", default="8,16", help="rows per padded forward to try (default 8,16)")
+    p.add_argument("--budget", type=int, default=16384, help="padded tokens per forward (default 16384)")
+    p.add_argument("--repeats", type=int, default=2, help="timed passes per padded variant after one untimed")
+    return p
+
+
+def sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def probs(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64)
+    z = np.exp(z - z.max(axis=1, keepdims=True))
+    return z / z.sum(axis=1, keepdims=True)
+
+
+def agreement(cand: np.ndarray, ref: np.ndarray) -> dict:
+    pc, pr = probs(cand), probs(ref)
+    return {"bitwise_equal": bool(np.array_equal(cand, ref)), "max_abs_logit_diff": float(np.abs(cand - ref).max()),
+            "max_abs_dp_e": float(np.abs(pc[:, 1] - pr[:, 1]).max()), "max_abs_dp": float(np.abs(pc - pr).max()),
+            "argmax_changes": int((pc.argmax(1) != pr.argmax(1)).sum())}
+
+
+def groups_for(lengths: list[int], max_rows: int, budget: int) -> list[list[int]]:
+    """Length-sorted forwards of at most max_rows rows and budget padded tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1 > max_rows or (len(cur) + 1) * lengths[i] > budget):
+            groups.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def forward_logits(clf, ids, mask=None, use_cache=None):
+    kw = {} if use_cache is None else {"use_cache": use_cache}
+    return clf.model(input_ids=ids, attention_mask=mask, **kw).logits
+
+
+def exact_loop(clf, rows, use_cache=None, defer=False) -> np.ndarray:
+    import torch
+
+    out = np.empty((len(rows), 3), dtype=np.float32)
+    kept = []
+    with torch.inference_mode():
+        for i, row in enumerate(rows):
+            ids = torch.tensor([row], dtype=torch.long, device=clf.device)
+            lg = forward_logits(clf, ids, use_cache=use_cache)[0].float()
+            if defer:
+                kept.append(lg)
+            else:
+                out[i] = lg.cpu().numpy()
+        if defer:
+            out[:] = torch.stack(kept).cpu().numpy()
+    return out
+
+
+def exact_threads(clf, rows, n: int) -> np.ndarray:
+    """n threads with a CUDA stream each; rows handed out longest first."""
+    import torch
+
+    order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
+    lock = threading.Lock()
+    nxt = [0]
+    res: dict[int, object] = {}
+    errors: list[BaseException] = []
+
+    def work():
+        try:
+            stream = torch.cuda.Stream(device=clf.device) if clf.device.startswith("cuda") else None
+            with torch.inference_mode(), (torch.cuda.stream(stream) if stream is not None else _null()):
+                while True:
+                    with lock:
+                        if nxt[0] >= len(order):
+                            break
+                        i = order[nxt[0]]
+                        nxt[0] += 1
+                    ids = torch.tensor([rows[i]], dtype=torch.long, device=clf.device)
+                    res[i] = forward_logits(clf, ids, use_cache=False)[0].float()
+                if stream is not None:
+                    stream.synchronize()
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller
+            errors.append(exc)
+
+    ts = [threading.Thread(target=work) for _ in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    if errors:
+        raise errors[0]
+    return np.stack([res[i].cpu().numpy() for i in range(len(rows))]).astype(np.float32)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def padded_loop(clf, rows, groups, use_cache=None) -> np.ndarray:
+    import torch
+
+    out = np.empty((len(rows), 3), dtype=np.float32)
+    with torch.inference_mode():
+        for g in groups:
+            part = [rows[i] for i in g]
+            width = max(len(r) for r in part)
+            ids = torch.full((len(part), width), clf.pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(part), width), dtype=torch.long)
+            for j, r in enumerate(part):
+                ids[j, : len(r)] = torch.tensor(r, dtype=torch.long)
+                mask[j, : len(r)] = 1
+            lg = forward_logits(clf, ids.to(clf.device), mask.to(clf.device), use_cache=use_cache)
+            out[g] = lg.float().cpu().numpy()
+    return out
+
+
+def uncompile(model) -> None:
+    for m in model.modules():
+        if getattr(m, "_openjev_compiled", False):
+            del m.forward
+            m._openjev_compiled = False
+
+
+def compile_layers(model) -> int:
+    """torch.compile every decoder layer's forward (dynamic shapes); fla's chunk rule stays eager."""
+    import torch
+
+    gdn = next((m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")), None)
+    if gdn is not None:
+        modeling = sys.modules[type(gdn).__module__]
+        fn = modeling.torch_chunk_gated_delta_rule
+        if not getattr(fn, "_openjev_disabled", False):
+            wrapped = torch.compiler.disable(fn)
+            wrapped._openjev_disabled = True
+            modeling.torch_chunk_gated_delta_rule = wrapped
+    n = 0
+    for m in model.modules():
+        if type(m).__name__.endswith("DecoderLayer"):
+            m.forward = torch.compile(m.forward, dynamic=True)
+            m._openjev_compiled = True
+            n += 1
+    return n
+
+
+def main() -> int:
+    args = build_parser().parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    from _classifier import load_classifier
+    from _kernels import compile_pointwise, kernel_path, measure_matmul_peak, model_flops, path_label, warm_up
+
+    res: dict = {"tokens_file": str(args.tokens), "variants": {}}
+    peak = measure_matmul_peak(args.device, "float16" if args.device.startswith("cuda") else "float32")
+    res["peak_tflops"] = round(peak, 1)
+    clf = load_classifier(args.model, args.device)
+    res["kernel_path"] = kernel_path(clf.model)
+    _, rows = read_tokens(args.tokens)
+    rows, _ = truncate_rows(rows, 4096)
+    lengths = [len(r) for r in rows]
+    flops = model_flops(args.model, sum(lengths))
+    res.update(tokens=sum(lengths), rows=len(rows), model_flops_per_pass=flops, torch=torch.__version__)
+    max_rows = max(int(x) for x in args.rows.split(","))
+    res["warmup"] = warm_up(clf, rows, 2, padded=True, batch=max_rows)
+    print(f"kernel path {path_label(res['kernel_path'])}; peak {peak:.0f} TFLOP/s", flush=True)
+    out_json = args.out / "variants.json"
+    ref = None
+
+    def save():
+        out_json.write_text(json.dumps(res, indent=1))
+
+    for v in [x for x in args.variants.split(",") if x]:
+        t0 = time.perf_counter()
+        try:
+            if v in EXACT:
+                fn = {"exact": lambda: exact_loop(clf, rows), "exact_nocache": lambda: exact_loop(clf, rows, False),
+                      "exact_async": lambda: exact_loop(clf, rows, False, defer=True)}.get(v)
+                if fn is None:
+                    fn = lambda n=int(v.removeprefix("exact_threads")): exact_threads(clf, rows, n)  # noqa: E731
+                sync(args.device)
+                t1 = time.perf_counter()
+                logits = fn()
+                sync(args.device)
+                sec = time.perf_counter() - t1
+                if ref is None:
+                    ref = logits
+                    np.save(args.out / "exact_baseline.npy", ref)
+                entry = {"pass_s": round(sec, 3), "rows_per_s": round(len(rows) / sec, 2), **agreement(logits, ref)}
+            else:
+                uncompile(clf.model)
+                use_cache = None if v == "padded" else False
+                if v.startswith("compiled"):
+                    import torch._inductor.config as ic
+
+                    ic.emulate_precision_casts = True
+                    entry_n = compile_pointwise(clf.model) if v == "compiled_pointwise" else compile_layers(clf.model)
+                else:
+                    entry_n = 0
+                entry = {"compiled_modules": entry_n}
+                for r in [int(x) for x in args.rows.split(",")]:
+                    groups = groups_for(lengths, r, args.budget)
+                    times = []
+                    for rep in range(1 + args.repeats):
+                        sync(args.device)
+                        t1 = time.perf_counter()
+                        logits = padded_loop(clf, rows, groups, use_cache)
+                        sync(args.device)
+                        times.append(time.perf_counter() - t1)
+                    sec = statistics.median(times[1:])
+                    entry[f"rows{r}"] = {"forwards": len(groups), "first_pass_s": round(times[0], 2),
+                                         "pass_s": round(sec, 3), "pairs_per_s": round(len(rows) / sec, 1),
+                                         "fraction_of_peak": round(flops / sec / 1e12 / peak, 3),
+                                         **(agreement(logits, ref) if ref is not None else {})}
+                    print(f"{v} rows {r}: {entry[f'rows{r}']}", flush=True)
+        except Exception as exc:  # noqa: BLE001 - one variant failing must not lose the others
+            entry = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
+        entry["wall_s"] = round(time.perf_counter() - t0, 1)
+        res["variants"][v] = entry
+        print(f"{v}: {json.dumps(entry)}", flush=True)
+        save()
+    uncompile(clf.model)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
