@@ -45,6 +45,7 @@ from fastapi.responses import JSONResponse
 
 from _common import UserError, bind_listen_socket, git_revision, run_main, utc_now
 from sglang_openjev import contract
+from sglang_openjev.routes import read_body  # the body, refused with 413 past the limit (shared with the adapter)
 
 log = logging.getLogger("openjev.transformers")
 
@@ -489,19 +490,6 @@ CANCEL_POLL_S = 0.1
 
 class Disconnected(Exception):
     pass
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it passes `limit` bytes (Content-Length first)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit():
-        contract.check_body_size(int(declared), limit)
-    buf = bytearray()
-    async for chunk in request.stream():
-        buf += chunk
-        if len(buf) > limit:
-            contract.check_body_size(len(buf), limit)
-    return bytes(buf)
 
 
 def create_app(engine: Engine) -> FastAPI:
