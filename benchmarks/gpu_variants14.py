@@ -9,11 +9,13 @@ Exact variants (one unpadded row per forward, rows/s over the whole set):
                    use_cache, one device-to-host copy per row)
   exact_nocache    the same forward with use_cache=False (no cache object, no conv/recurrent
                    state written; the logits must stay bitwise equal)
-  exact_async      use_cache=False, logits left on the device and copied once at the end
-  exact_threadsN   N Python threads, each with its own CUDA stream, sharing the model
+  exact_async      app/_classifier.py score_exact: use_cache=False, logits left on the device and
+                   copied once at the end
+  exact_threadsN   score_exact(threads=N): N Python threads, a CUDA stream each, one model
 Padded variants (rows of a forward length-sorted, at most --rows rows and --budget padded tokens,
 as the embedded server's scheduler forms them; fraction of the fp16 matmul peak):
-  padded           score_padded as now;  padded_nocache  with use_cache=False
+  padded           padded forwards with Transformers' default use_cache (before the change)
+  padded_nocache   app/_classifier.py score_padded (use_cache=False)
   compiled_pointwise  norm/MLP modules through torch.compile with Inductor's
                    emulate_precision_casts (eager's fp16 rounding kept inside fused kernels)
   compiled_layers  whole decoder layers compiled likewise, fla's chunk rule left out of the graph
@@ -28,7 +30,6 @@ import argparse
 import json
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -95,84 +96,36 @@ def forward_logits(clf, ids, mask=None, use_cache=None):
     return clf.model(input_ids=ids, attention_mask=mask, **kw).logits
 
 
-def exact_loop(clf, rows, use_cache=None, defer=False) -> np.ndarray:
+def exact_loop(clf, rows, use_cache=None) -> np.ndarray:
+    """The reference loop before issue 14's change: one forward and one host copy per row."""
     import torch
 
     out = np.empty((len(rows), 3), dtype=np.float32)
-    kept = []
     with torch.inference_mode():
         for i, row in enumerate(rows):
             ids = torch.tensor([row], dtype=torch.long, device=clf.device)
-            lg = forward_logits(clf, ids, use_cache=use_cache)[0].float()
-            if defer:
-                kept.append(lg)
-            else:
-                out[i] = lg.cpu().numpy()
-        if defer:
-            out[:] = torch.stack(kept).cpu().numpy()
+            out[i] = forward_logits(clf, ids, use_cache=use_cache)[0].float().cpu().numpy()
     return out
 
 
-def exact_threads(clf, rows, n: int) -> np.ndarray:
-    """n threads with a CUDA stream each; rows handed out longest first."""
-    import torch
-
-    order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
-    lock = threading.Lock()
-    nxt = [0]
-    res: dict[int, object] = {}
-    errors: list[BaseException] = []
-
-    def work():
-        try:
-            stream = torch.cuda.Stream(device=clf.device) if clf.device.startswith("cuda") else None
-            with torch.inference_mode(), (torch.cuda.stream(stream) if stream is not None else _null()):
-                while True:
-                    with lock:
-                        if nxt[0] >= len(order):
-                            break
-                        i = order[nxt[0]]
-                        nxt[0] += 1
-                    ids = torch.tensor([rows[i]], dtype=torch.long, device=clf.device)
-                    res[i] = forward_logits(clf, ids, use_cache=False)[0].float()
-                if stream is not None:
-                    stream.synchronize()
-        except BaseException as exc:  # noqa: BLE001 - reported by the caller
-            errors.append(exc)
-
-    ts = [threading.Thread(target=work) for _ in range(n)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    if errors:
-        raise errors[0]
-    return np.stack([res[i].cpu().numpy() for i in range(len(rows))]).astype(np.float32)
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
-
-
 def padded_loop(clf, rows, groups, use_cache=None) -> np.ndarray:
+    """Padded forwards as before the change (use_cache=None: Transformers' default) or through
+    app/_classifier.py's score_padded (use_cache=False)."""
     import torch
+
+    from _classifier import score_padded
 
     out = np.empty((len(rows), 3), dtype=np.float32)
-    with torch.inference_mode():
-        for g in groups:
-            part = [rows[i] for i in g]
-            width = max(len(r) for r in part)
-            ids = torch.full((len(part), width), clf.pad_token_id, dtype=torch.long)
-            mask = torch.zeros((len(part), width), dtype=torch.long)
-            for j, r in enumerate(part):
-                ids[j, : len(r)] = torch.tensor(r, dtype=torch.long)
-                mask[j, : len(r)] = 1
-            lg = forward_logits(clf, ids.to(clf.device), mask.to(clf.device), use_cache=use_cache)
-            out[g] = lg.float().cpu().numpy()
+    for g in groups:
+        part = [rows[i] for i in g]
+        if use_cache is False:
+            out[g] = score_padded(clf, part)
+            continue
+        width = max(len(r) for r in part)
+        ids = torch.tensor([r + [clf.pad_token_id] * (width - len(r)) for r in part], device=clf.device)
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in part], device=clf.device)
+        with torch.inference_mode():
+            out[g] = forward_logits(clf, ids, mask, use_cache=use_cache).float().cpu().numpy()
     return out
 
 
@@ -209,7 +162,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
 
-    from _classifier import load_classifier
+    from _classifier import load_classifier, score_exact
     from _kernels import compile_pointwise, kernel_path, measure_matmul_peak, model_flops, path_label, warm_up
 
     res: dict = {"tokens_file": str(args.tokens), "variants": {}}
@@ -236,9 +189,12 @@ def main() -> int:
         try:
             if v in EXACT:
                 fn = {"exact": lambda: exact_loop(clf, rows), "exact_nocache": lambda: exact_loop(clf, rows, False),
-                      "exact_async": lambda: exact_loop(clf, rows, False, defer=True)}.get(v)
-                if fn is None:
-                    fn = lambda n=int(v.removeprefix("exact_threads")): exact_threads(clf, rows, n)  # noqa: E731
+                      "exact_async": lambda: score_exact(clf, rows)}.get(v)
+                if fn is None:  # app/_classifier.py's threaded exact path
+                    n_threads = int(v.removeprefix("exact_threads"))
+
+                    def fn():
+                        return score_exact(clf, rows, n_threads)
                 sync(args.device)
                 t1 = time.perf_counter()
                 logits = fn()
