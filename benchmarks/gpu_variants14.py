@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from _common import read_tokens, truncate_rows  # noqa: E402
+from gpu_profile import sync  # noqa: E402
 
 EXACT = ("exact", "exact_nocache", "exact_async", "exact_threads2", "exact_threads3")
 PADDED = ("padded", "padded_nocache", "compiled_pointwise", "compiled_layers")
@@ -55,13 +56,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=int, default=16384, help="padded tokens per forward (default 16384)")
     p.add_argument("--repeats", type=int, default=2, help="timed passes per padded variant after one untimed")
     return p
-
-
-def sync(device: str) -> None:
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def probs(logits: np.ndarray) -> np.ndarray:

@@ -85,23 +85,20 @@ stage_reference() {
   mkdir -p "$R/reference" && cp "$REF/reference.json" "$REF/reference.npy" "$REF/tokens.sha256" "$R/reference/"
 }
 
-stage_reference_w1() {  # one process: same logits bitwise as the --workers run?
-  rm -rf "$REF-w1"
-  "$PY" app/score_reference.py --model "$MODEL" --tokens "$SET.tokens.jsonl" --inputs "$SET.jsonl" --out "$REF-w1" \
-    --device "$DEVICE" --workers 1 || return 1
-  mkdir -p "$R/reference_w1" && cp "$REF-w1/reference.json" "$R/reference_w1/"
-  cmp "$REF/reference.npy" "$REF-w1/reference.npy" && echo "reference.npy bitwise equal for --workers ${REF_WORKERS:-1} and 1" \
-    | tee "$R/reference_w1/bitwise.txt"
+reference_again() {  # TAG "WHAT" FLAGS...: the reference again with FLAGS; bitwise equal to stage reference's?
+  local tag=$1 what=$2
+  shift 2
+  rm -rf "$REF-$tag"
+  "$PY" app/score_reference.py --model "$MODEL" --tokens "$SET.tokens.jsonl" --inputs "$SET.jsonl" --out "$REF-$tag" \
+    --device "$DEVICE" "$@" || return 1
+  mkdir -p "$R/reference_$tag" && cp "$REF-$tag/reference.json" "$R/reference_$tag/"
+  cmp "$REF/reference.npy" "$REF-$tag/reference.npy" && echo "reference.npy bitwise equal for $what" \
+    | tee "$R/reference_$tag/bitwise.txt"
 }
 
-stage_reference_t1() {  # one thread (--threads 1): same logits bitwise as the threaded run?
-  rm -rf "$REF-t1"
-  "$PY" app/score_reference.py --model "$MODEL" --tokens "$SET.tokens.jsonl" --inputs "$SET.jsonl" --out "$REF-t1" \
-    --device "$DEVICE" --threads 1 || return 1
-  mkdir -p "$R/reference_t1" && cp "$REF-t1/reference.json" "$R/reference_t1/"
-  cmp "$REF/reference.npy" "$REF-t1/reference.npy" && echo "reference.npy bitwise equal for --threads auto and 1" \
-    | tee "$R/reference_t1/bitwise.txt"
-}
+stage_reference_w1() { reference_again w1 "--workers ${REF_WORKERS:-1} and 1" --workers 1; }
+
+stage_reference_t1() { reference_again t1 "--threads auto and 1" --threads 1; }
 
 stage_reference_torch() {
   rm -rf "$REF-torch"
@@ -165,7 +162,7 @@ stage_replicas() {  # issue 15: two replicas sharing GPU 0 behind the gateway
 export PY W R SHAPE DEVICE ROWS LABEL DTYPE SET MODEL REF PROFILE_ARGS SERVER_ARGS HTTP_LABEL REF_WORKERS OPENJEV_COMPILE VARIANTS
 export VARIANTS=${VARIANTS:-}
 export HAPROXY=${HAPROXY:-}
-export -f free_port stage_replicas stage_prep stage_profile stage_profile_torch stage_reference stage_reference_w1 stage_reference_t1 stage_reference_torch stage_variants stage_http stage_http_compiled stage_http16
+export -f free_port reference_again stage_replicas stage_prep stage_profile stage_profile_torch stage_reference stage_reference_w1 stage_reference_t1 stage_reference_torch stage_variants stage_http stage_http_compiled stage_http16
 for s in ${STAGES:-prep profile profile_torch reference http}; do
   log "stage $s"
   timeout -k 10 "$TO" bash -c "stage_$s" 2>&1 | tee "$R/stage_$s.log"
