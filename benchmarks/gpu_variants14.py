@@ -151,8 +151,19 @@ def compile_layers(model) -> int:
     return n
 
 
+def is_exact(name: str) -> bool:
+    return name in EXACT or (name.startswith("exact_threads") and name.removeprefix("exact_threads").isdigit()
+                             and int(name.removeprefix("exact_threads")) > 0)
+
+
 def main() -> int:
-    args = build_parser().parse_args()
+    parser = build_parser()
+    args = parser.parse_args()
+    unknown = [v for v in args.variants.split(",") if v and not is_exact(v) and v not in PADDED]
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(EXACT + PADDED)}, exact_threadsN")
+    if args.out.exists() and any(args.out.iterdir()):
+        parser.error(f"--out {args.out} exists and is not empty; refusing to overwrite its receipts")
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
 
@@ -181,7 +192,7 @@ def main() -> int:
     for v in [x for x in args.variants.split(",") if x]:
         t0 = time.perf_counter()
         try:
-            if v in EXACT:
+            if is_exact(v):
                 fn = {"exact": lambda: exact_loop(clf, rows), "exact_nocache": lambda: exact_loop(clf, rows, False),
                       "exact_async": lambda: score_exact(clf, rows)}.get(v)
                 if fn is None:  # app/_classifier.py's threaded exact path
