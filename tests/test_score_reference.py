@@ -192,6 +192,7 @@ def test_exact_and_padded_forwards_without_the_cache_are_bitwise_the_default_cal
     assert sum(seen) == len(rows)
 
 
+@pytest.mark.gpu
 def test_exact_threads_on_a_gpu_are_bitwise_one_thread(overlay, sample_tokens):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
