@@ -405,11 +405,18 @@ def test_nvml_monitor_samples_a_real_gpu():
     mon.stop()
     rep = mon.report()
     assert rep["samples"] >= 3 and rep["gpu"]["uuid"]
-    # this test process holds no context on GPU 0, so every sample says the "server" is not there (and other
-    # users of GPU 0 may be flagged too); what must not happen is a failed NVML sample
-    assert rep["valid"] is False
-    assert any("neither the server" in x for v in rep["violations"] for x in v["violations"])
-    for v in rep["violations"]:
+    others = {p for p in mon.gpu.pids() if p != os.getpid()}
+    if os.getpid() in mon.gpu.pids():
+        # an earlier test of this session made a CUDA context here (run on the H200, this test came after
+        # the threaded reference test): this process is the "server", so the GPU is exclusive to it unless
+        # someone else is on it
+        assert rep["valid"] is (not others), rep["violations"][:2]
+    else:
+        # this process holds no context on GPU 0, so every sample says the "server" is not there (other
+        # users of GPU 0 may be flagged too)
+        assert rep["valid"] is False
+        assert any("neither the server" in x for v in rep["violations"] for x in v["violations"])
+    for v in rep["violations"]:  # what must never happen: a failed NVML sample
         assert not any(x.startswith("NVML sample failed") for x in v["violations"])
 
 
