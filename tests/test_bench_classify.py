@@ -402,11 +402,12 @@ def test_nvml_monitor_samples_a_real_gpu():
     assert mon.gpu is not None and mon.gpu.info["name"]
     mon.start()
     time.sleep(0.5)
+    pids = set(mon.gpu.pids())  # before stop(): stop() shuts NVML down
     mon.stop()
     rep = mon.report()
     assert rep["samples"] >= 3 and rep["gpu"]["uuid"]
-    others = {p for p in mon.gpu.pids() if p != os.getpid()}
-    if os.getpid() in mon.gpu.pids():
+    others = pids - {os.getpid()}
+    if os.getpid() in pids:
         # an earlier test of this session made a CUDA context here (run on the H200, this test came after
         # the threaded reference test): this process is the "server", so the GPU is exclusive to it unless
         # someone else is on it
