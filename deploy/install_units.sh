@@ -262,10 +262,10 @@ multihost_settings() {
         usage_error "--local-address must be an IPv4 address in 127.0.0.0/8 (replicas, endpoint and stats stay on loopback), got '$LOCAL_ADDRESS'"
     REPLICA_HOST_ARGS=""
     [[ $LOCAL_ADDRESS == 127.0.0.1 ]] || REPLICA_HOST_ARGS="--host $LOCAL_ADDRESS"
-    [[ $PREFIX_AFFINITY =~ ^[0-9]{1,4}$ ]] && ((10#$PREFIX_AFFINITY <= 8192)) ||
+    { [[ $PREFIX_AFFINITY =~ ^[0-9]{1,4}$ ]] && ((10#$PREFIX_AFFINITY <= 8192)); } ||
         usage_error "--prefix-affinity must be a number of tokens from 0 (off) to 8192, got '$PREFIX_AFFINITY'"
     PREFIX_AFFINITY=$((10#$PREFIX_AFFINITY))
-    [[ $HASH_BALANCE_FACTOR =~ ^[0-9]{1,5}$ ]] && { ((10#$HASH_BALANCE_FACTOR == 0)) || ((10#$HASH_BALANCE_FACTOR > 100)); } ||
+    { [[ $HASH_BALANCE_FACTOR =~ ^[0-9]{1,5}$ ]] && { ((10#$HASH_BALANCE_FACTOR == 0)) || ((10#$HASH_BALANCE_FACTOR > 100)); }; } ||
         usage_error "--hash-balance-factor must be 0 (no bound) or a percentage above 100, got '$HASH_BALANCE_FACTOR'"
     HASH_BALANCE_FACTOR=$((10#$HASH_BALANCE_FACTOR))
     is_hostname "$PEER_CLIENT_CN" || usage_error "--peer-client-cn must be a plain name (letters, digits, '.', '-'), got '$PEER_CLIENT_CN'"
@@ -286,7 +286,7 @@ multihost_settings() {
             ! is_ipv4 "$host" || usage_error "--remote $spec: HOST is an IP address; name the host its certificate names: --remote NAME=$hostport"
             name=$host
         fi
-        is_hostname "$name" && ! is_ipv4 "$name" || usage_error "--remote $spec: NAME '$name' must be the DNS name in the peer's certificate"
+        { is_hostname "$name" && ! is_ipv4 "$name"; } || usage_error "--remote $spec: NAME '$name' must be the DNS name in the peer's certificate"
         [[ -z ${seen[$name]:-} ]] || usage_error "--remote names $name twice"
         seen[$name]=1
         # ssl + verify required: the peer must show a certificate of our CA naming NAME (verifyhost);
@@ -299,8 +299,8 @@ multihost_settings() {
     done
     PEER_ADDR="" PEER_PORT=""
     if [[ -n $PEER_LISTEN ]]; then
-        [[ $PEER_LISTEN =~ ^([0-9.]+):([0-9]+)$ ]] && PEER_ADDR=${BASH_REMATCH[1]} PEER_PORT=${BASH_REMATCH[2]} &&
-            is_ipv4 "$PEER_ADDR" || usage_error "--peer-listen wants ADDR:PORT with an IPv4 address of this host, got '$PEER_LISTEN'"
+        { [[ $PEER_LISTEN =~ ^([0-9.]+):([0-9]+)$ ]] && PEER_ADDR=${BASH_REMATCH[1]} PEER_PORT=${BASH_REMATCH[2]} &&
+            is_ipv4 "$PEER_ADDR"; } || usage_error "--peer-listen wants ADDR:PORT with an IPv4 address of this host, got '$PEER_LISTEN'"
         check_port "--peer-listen PORT" "$PEER_PORT"
         PEER_PORT=$((10#$PEER_PORT))
         if [[ $PEER_ADDR == "$LOCAL_ADDRESS" || $PEER_ADDR == 0.0.0.0 ]] && [[ -n ${SEEN_PORT[$PEER_PORT]:-} ]]; then
@@ -637,7 +637,8 @@ fi
 # (owned by the service user), or the replicas would fail to start with 200/CHDIR.
 if [[ ! -d $ROOT ]]; then
     [[ ! -e $ROOT ]] || die "--root $ROOT exists and is not a directory"
-    mkdir -p -m 0755 -- "$ROOT" 2>/dev/null || die "cannot create --root $ROOT (permission denied or read-only parent)"
+    # Parents with the umask's mode, the root itself 0755 (what `mkdir -p -m 0755` does, spelled out).
+    { mkdir -p -- "$(dirname -- "$ROOT")" && mkdir -m 0755 -- "$ROOT"; } 2>/dev/null || die "cannot create --root $ROOT (permission denied or read-only parent)"
     if [[ $SERVICE_USER != "$CURRENT_USER" ]]; then
         chown -- "$SERVICE_USER:$SERVICE_GROUP" "$ROOT" || die "created --root $ROOT but cannot give it to $SERVICE_USER"
     fi

@@ -70,7 +70,7 @@ check_name() {
 }
 
 check_days() {
-    [[ $1 =~ ^[0-9]{1,5}$ ]] && ((10#$1 >= 1)) || usage_error "--days must be a whole number of days >= 1, got '$1'"
+    { [[ $1 =~ ^[0-9]{1,5}$ ]] && ((10#$1 >= 1)); } || usage_error "--days must be a whole number of days >= 1, got '$1'"
 }
 
 (($#)) || usage_error "give a command: ca, server or client"
