@@ -66,13 +66,13 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import unit_runner  # noqa: E402
 from _common import UserError, atomic_write_json, git_revision, run_main, utc_now  # noqa: E402
-from bench_gateway import admin, build_tiny, machine, summary_ms  # noqa: E402
+from bench_gateway import admin, build_tiny, machine, run, summary_ms  # noqa: E402
+from openjev_testsupport.pki import CERTS, make_host_tls  # noqa: E402  (_common puts the repo root on sys.path)
 
 KIND = "openjev-multihost-bench"
 DEFAULT_OUT = REPO / "benchmarks" / "results_cpu" / "multihost_cpu.json"
 PY = sys.executable
 FRONT, PEER = "127.0.0.2", "127.0.0.3"
-CERTS = REPO / "deploy" / "openjev_certs.sh"
 INSTALL = REPO / "deploy" / "install_units.sh"
 
 
@@ -94,14 +94,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------- setup
-def run(cmd: list, what: str) -> str:
-    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, cwd=REPO)
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
-        raise UserError(f"{what} failed ({proc.returncode}): {tail[0]}")
-    return proc.stdout
-
-
 def free_ports_on(addr: str, count: int = 1) -> int:
     for _ in range(200):
         with socket.socket() as s:
@@ -118,17 +110,11 @@ def free_ports_on(addr: str, count: int = 1) -> int:
 
 
 def make_pki(work: Path) -> dict[str, Path]:
-    ca = work / "ca"
-    shutil.rmtree(ca, ignore_errors=True)
-    tls = {"front": work / "front" / "tls", "peer": work / "peer" / "tls"}
-    run(["bash", CERTS, "ca", ca], "openjev_certs.sh ca")
-    for d in tls.values():
-        shutil.rmtree(d, ignore_errors=True)
-        d.mkdir(parents=True, mode=0o700)
-        shutil.copy(ca / "ca.crt", d / "ca.crt")
-    run(["bash", CERTS, "client", ca, "openjev-gateway", tls["front"] / "gateway-client.pem"], "openjev_certs.sh client")
-    run(["bash", CERTS, "server", ca, "peer3", tls["peer"] / "peer.pem", "--ip", PEER], "openjev_certs.sh server")
-    return tls
+    """CA, the front's client certificate and the peer's server certificate (CN peer3): {host: TLS_DIR}."""
+    def certs(*args) -> str:
+        return run(["bash", CERTS, *args], f"openjev_certs.sh {args[0]}")
+
+    return make_host_tls(work, certs, {"peer": ("peer3", PEER)})
 
 
 def render(host: dict, *extra) -> None:

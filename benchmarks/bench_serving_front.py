@@ -42,7 +42,9 @@ REPO = Path(__file__).resolve().parents[1]
 APP = REPO / "app"
 SAMPLE = REPO / "data" / "nli_sample.jsonl"
 sys.path.insert(0, str(APP))
+sys.path.insert(0, str(REPO / "benchmarks"))
 from _common import UserError, run_main, utc_now  # noqa: E402
+from bench_gateway import machine as machine_facts  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,19 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def machine(label: str | None) -> dict:
-    cpu = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"label": label or f"cpu: {cpu or platform.processor() or 'unknown CPU'}, {os.cpu_count()} logical CPUs "
-                              "(no GPU; not a V100)",
-            "platform": platform.platform(), "cpu_model": cpu, "cpu_count": os.cpu_count(),
-            "cpus_usable": len(os.sched_getaffinity(0)), "host": socket.gethostname(),
-            "python": platform.python_version()}
+    """bench_gateway's machine facts under this receipt's label (--machine-label, or CPU model and count)."""
+    m = machine_facts()
+    cpu = m["cpu_model"] or platform.processor() or "unknown CPU"
+    return {**m, "label": label or f"cpu: {cpu}, {m['cpu_count']} logical CPUs (no GPU; not a V100)"}
 
 
 def free_port() -> int:

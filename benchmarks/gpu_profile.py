@@ -85,6 +85,21 @@ def budget_groups(lengths, budget):
     return groups
 
 
+def time_padded_passes(clf, rows, groups, passes, device):
+    """Wall seconds of each of `passes` whole-set passes of padded forwards, one per group of row indices."""
+    from _classifier import score_padded
+
+    times = []
+    for _ in range(passes):
+        sync(device)
+        t1 = time.perf_counter()
+        for g in groups:
+            score_padded(clf, [rows[i] for i in g])
+        sync(device)
+        times.append(time.perf_counter() - t1)
+    return times
+
+
 def prof_tables(fn, device, path: Path, rows=30):
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -188,16 +203,8 @@ def main() -> int:
     padded = {}
     for budget in [int(b) for b in args.budgets.split(",") if b]:
         groups = budget_groups(lengths, budget)
-        times = []
-        for rep in range(1 + args.padded_repeats):
-            sync(args.device)
-            t1 = time.perf_counter()
-            for g in groups:
-                score_padded(clf, [rows[i] for i in g])
-            sync(args.device)
-            if rep:
-                times.append(time.perf_counter() - t1)
-        sec = statistics.median(times)
+        times = time_padded_passes(clf, rows, groups, 1 + args.padded_repeats, args.device)
+        sec = statistics.median(times[1:])  # the first pass is a warm-up
         padded[str(budget)] = {"forwards": len(groups), "padded_tokens": sum(len(g) * max(lengths[i] for i in g) for g in groups),
                                "pass_s": round(sec, 3), "pairs_per_s": round(len(rows) / sec, 1),
                                "fraction_of_peak": round(flops / sec / 1e12 / peak, 3)}
@@ -210,14 +217,7 @@ def main() -> int:
         comp = {}
         for budget in [int(b) for b in args.compile_budgets.split(",") if b]:
             groups = budget_groups(lengths, budget)
-            times = []
-            for rep in range(1 + args.padded_repeats):
-                sync(args.device)
-                t1 = time.perf_counter()
-                for g in groups:
-                    score_padded(clf, [rows[i] for i in g])
-                sync(args.device)
-                times.append(time.perf_counter() - t1)
+            times = time_padded_passes(clf, rows, groups, 1 + args.padded_repeats, args.device)
             sec = statistics.median(times[1:])
             comp[str(budget)] = {"first_pass_s": round(times[0], 2), "pass_s": round(sec, 3),
                                  "pairs_per_s": round(len(rows) / sec, 1),

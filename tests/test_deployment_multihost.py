@@ -36,9 +36,9 @@ import pytest
 import requests
 
 from conftest import PY, REPO, error_lines, token_rows
+from openjev_testsupport.pki import CERTS, make_host_tls
 from test_deployment import ANALYZE, HAPROXY, Load, admin, install, unit_runner, wait_for
 
-CERTS = REPO / "deploy" / "openjev_certs.sh"
 OPENSSL = shutil.which("openssl")
 HOSTS = {"front": "127.0.0.2", "peer3": "127.0.0.3", "peer4": "127.0.0.4"}
 REQUESTS = int(os.environ.get("OPENJEV_MULTIHOST_REQUESTS", "2000"))
@@ -80,15 +80,8 @@ def certs(*args) -> subprocess.CompletedProcess:
 def make_pki(base: Path) -> dict:
     """The deployment's CA and certificates, a stranger CA, and each host's TLS_DIR."""
     ca, rogue = base / "ca", base / "rogue-ca"
-    certs("ca", ca)
+    tls = make_host_tls(base, certs, {name: (name, HOSTS[name]) for name in ("peer3", "peer4")})
     certs("ca", rogue, "--cn", "someone else")
-    tls = {name: base / name / "tls" for name in HOSTS}
-    for name, d in tls.items():
-        d.mkdir(parents=True, mode=0o700)
-        shutil.copy(ca / "ca.crt", d / "ca.crt")
-    certs("client", ca, "openjev-gateway", tls["front"] / "gateway-client.pem")
-    for name in ("peer3", "peer4"):
-        certs("server", ca, name, tls[name] / "peer.pem", "--ip", HOSTS[name])
     certs("client", rogue, "openjev-gateway", base / "rogue-client.pem")       # right CN, wrong CA
     certs("client", ca, "intruder", base / "intruder-client.pem")             # right CA, wrong CN
     return {"ca": ca, "rogue": rogue, "tls": tls, "base": base}
