@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -38,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from _common import read_tokens, truncate_rows  # noqa: E402
+from _common import environment_receipt, read_tokens, truncate_rows, utc_now  # noqa: E402
 from gpu_profile import sync  # noqa: E402
 
 EXACT = ("exact", "exact_nocache", "exact_async", "exact_threads2", "exact_threads3")
@@ -55,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", default="8,16", help="rows per padded forward to try (default 8,16)")
     p.add_argument("--budget", type=int, default=16384, help="padded tokens per forward (default 16384)")
     p.add_argument("--repeats", type=int, default=2, help="timed passes per padded variant after one untimed")
+    p.add_argument("--machine-label", default=None,
+                   help="what the machine is, recorded in the receipt (default: the device name, or 'cpu')")
     return p
 
 
@@ -170,7 +173,12 @@ def main() -> int:
     from _classifier import load_classifier, score_exact
     from _kernels import compile_pointwise, kernel_path, measure_matmul_peak, model_flops, path_label, warm_up
 
-    res: dict = {"tokens_file": str(args.tokens), "variants": {}}
+    res: dict = {"kind": "openjev-variants14", "made_by": "benchmarks/gpu_variants14.py", "made_at": utc_now(),
+                 "device": args.device, "tokens_file": str(args.tokens), "variants": {}}
+    if args.device.startswith("cuda"):
+        res["machine"] = args.machine_label or f"{torch.cuda.get_device_name()} (not a V100)"
+    else:
+        res["machine"] = args.machine_label or f"cpu, {os.cpu_count()} logical CPUs (no GPU; not a V100)"
     peak = measure_matmul_peak(args.device, "float16" if args.device.startswith("cuda") else "float32")
     res["peak_tflops"] = round(peak, 1)
     clf = load_classifier(args.model, args.device)
@@ -180,6 +188,7 @@ def main() -> int:
     lengths = [len(r) for r in rows]
     flops = model_flops(args.model, sum(lengths))
     res.update(tokens=sum(lengths), rows=len(rows), model_flops_per_pass=flops, torch=torch.__version__)
+    res["environment"] = environment_receipt()
     max_rows = max(int(x) for x in args.rows.split(","))
     res["warmup"] = warm_up(clf, rows, 2, padded=True, batch=max_rows)
     print(f"kernel path {path_label(res['kernel_path'])}; peak {peak:.0f} TFLOP/s", flush=True)

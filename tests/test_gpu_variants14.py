@@ -29,6 +29,10 @@ def test_variants_agree_with_the_baseline(overlay, sample_tokens, tmp_path):
     # the cache object changes nothing in a padded forward either
     assert v["padded"]["rows4"]["max_abs_logit_diff"] == v["padded_nocache"]["rows4"]["max_abs_logit_diff"]
     assert res["kernel_path"]["gdn"] == "torch-fallback" and res["tokens"] > 0
+    assert res["kind"] == "openjev-variants14" and "not a V100" in res["machine"] and res["environment"]["torch_version"]
+    check = subprocess.run([sys.executable, str(REPO / "app" / "validate_receipts.py"), str(out / "variants.json")],
+                           capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0 and "ok (openjev-variants14)" in check.stdout, check.stdout + check.stderr
 
 
 def test_unknown_variants_and_a_used_output_are_refused_before_loading(overlay, sample_tokens, tmp_path):
