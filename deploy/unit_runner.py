@@ -413,14 +413,18 @@ class ServiceUnit:
                 return proc.returncode if proc else None
             sig = signal.Signals[self.unit.get("Service", "KillSignal", "SIGTERM")]
             mode = self.unit.get("Service", "KillMode", "control-group")
-            self.record("stopping", f"{sig.name} to {'pid' if mode == 'mixed' else 'group'} {proc.pid}")
-            try:
-                if mode == "mixed":
-                    os.kill(proc.pid, sig)
-                else:
-                    os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                pass
+
+            def send(again: str = "") -> None:  # KillSignal= to the main PID (mixed) or the whole group
+                self.record("stopping", f"{sig.name} {again}to {'pid' if mode == 'mixed' else 'group'} {proc.pid}")
+                try:
+                    if mode == "mixed":
+                        os.kill(proc.pid, sig)
+                    else:
+                        os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+            send()
             # The signal is repeated every 2 s while the main process runs: HAProxy's master re-executes
             # itself right after READY=1 (master-worker wait mode), and a KillSignal that lands in
             # that window is lost (seen: SIGUSR1 0.1 s after READY, no soft stop in 60 s). Repeating
@@ -437,14 +441,7 @@ class ServiceUnit:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait(30)
                     break
-                self.record("stopping", f"{sig.name} again to {'pid' if mode == 'mixed' else 'group'} {proc.pid}")
-                try:
-                    if mode == "mixed":
-                        os.kill(proc.pid, sig)
-                    else:
-                        os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    pass
+                send("again ")
             if self._supervisor is not None:
                 self._supervisor.join(10)
             for d in self.unit.all("Service", "RuntimeDirectory"):
