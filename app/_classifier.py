@@ -6,8 +6,12 @@ backend can be checked against the reference bit for bit where the arithmetic al
   exact   one unpadded forward per row, exactly what `score_reference.py` does by default.
           CPU float32 results are bitwise equal to the reference's.
   padded  rows of one scheduling step right-padded into one batch with an attention mask.
-          Faster on a GPU; on CPU it differs from the unpadded forward in the last bits
-          (different GEMM shapes), so the agreement tolerance applies.
+          Faster on a GPU. The full-attention layers attend row by row, each row unpadded,
+          through the same SDPA call the exact forward makes (`rowwise_attention`), and cuBLAS
+          runs without split-K (app/_kernels.py configure_backends), so on a GPU a padded
+          forward repeats the exact forward's arithmetic: bitwise equal on the H200
+          (results_h200/embedded14/call9-rowwise). On a CPU the PyTorch GDN fallback is not
+          batch-invariant, so the last bits differ and the agreement tolerance applies.
 
 Pooling is Transformers' own: the rightmost token that is not `pad_token_id`
 (GenericForSequenceClassification), identical in both modes.
@@ -19,7 +23,10 @@ tensor is refused with the list (Transformers itself would only warn and initial
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +37,10 @@ from sglang_openjev import weights
 from sglang_openjev.contract import check_label_order
 
 DTYPES = ("auto", "float16", "bfloat16", "float32")
+PADDED_ATTENTION_ENV = "OPENJEV_PADDED_ATTENTION"  # rowwise (default) | masked (Transformers' masked SDPA)
+
+# Real lengths of the rows of the right-padded forward running in this thread (None: not padded).
+_ROW_LENGTHS: contextvars.ContextVar = contextvars.ContextVar("openjev_row_lengths", default=None)
 
 
 @dataclass
@@ -105,6 +116,7 @@ def load_classifier(path: str | Path, device: str = "auto", dtype: str = "auto")
         except ValueError as exc:
             raise UserError(str(exc)) from None
     model = model.to(device).eval()
+    rowwise_attention()
     text_cfg = model.config.get_text_config()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -188,9 +200,62 @@ def _exact_in_threads(clf: Classifier, rows: list[list[int]], threads: int, prog
     return kept
 
 
+def padded_attention_mode() -> str:
+    mode = os.environ.get(PADDED_ATTENTION_ENV, "rowwise") or "rowwise"
+    if mode not in ("rowwise", "masked"):
+        raise UserError(f"{PADDED_ATTENTION_ENV}={mode!r}: expected rowwise or masked")
+    return mode
+
+
+def rowwise_attention() -> str:
+    """Make padded forwards attend row by row (once per process; returns the mode in force).
+
+    Transformers' "sdpa" attention function is wrapped, through its AttentionInterface, by one
+    that changes nothing unless a right-padded forward of score_padded is running in this thread:
+    then each row's queries, keys and values are cut to its real length and passed to the same
+    function with no mask, which is the call an unpadded forward of that row makes (causal,
+    FlashAttention on a GPU). The masked padded call runs a different kernel (memory-efficient,
+    with a mask) whose rounding differs: on the H200 the first difference between a padded and
+    an exact forward was the first full-attention layer (benchmarks/gpu_divergence14.py,
+    results_h200/embedded14/call8-blas). Padding positions get zeros; with right padding no real
+    token reads them. OPENJEV_PADDED_ATTENTION=masked keeps Transformers' masked call."""
+    mode = padded_attention_mode()
+    if mode != "rowwise":
+        return mode
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    inner = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    if getattr(inner, "_openjev_rowwise", False):
+        return mode
+
+    def sdpa_rowwise(module, query, key, value, attention_mask, **kwargs):
+        lengths = _ROW_LENGTHS.get()
+        if lengths is None or query.shape[0] != len(lengths) or query.shape[2] != key.shape[2]:
+            return inner(module, query, key, value, attention_mask, **kwargs)
+        out = query.new_zeros((query.shape[0], query.shape[2], query.shape[1], value.shape[-1]))
+        for j, n in enumerate(lengths):
+            row, _ = inner(module, query[j:j + 1, :, :n], key[j:j + 1, :, :n], value[j:j + 1, :, :n], None, **kwargs)
+            out[j:j + 1, :n] = row
+        return out, None
+
+    sdpa_rowwise._openjev_rowwise = True
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_rowwise
+    return mode
+
+
+@contextlib.contextmanager
+def padded_rows(lengths: list[int]):
+    """The real lengths of a right-padded forward, for rowwise_attention, in this thread."""
+    token = _ROW_LENGTHS.set(tuple(int(n) for n in lengths))
+    try:
+        yield
+    finally:
+        _ROW_LENGTHS.reset(token)
+
+
 def score_padded(clf: Classifier, rows: list[list[int]]) -> np.ndarray:
     """Rows right-padded into one forward with an attention mask -> float32 [n, 3]
-    (use_cache=False as in score_exact)."""
+    (use_cache=False as in score_exact; attention row by row, see rowwise_attention)."""
     import torch
 
     if clf.pad_token_id is None:  # Transformers cannot pool a padded batch without a pad id
@@ -201,7 +266,7 @@ def score_padded(clf: Classifier, rows: list[list[int]]) -> np.ndarray:
     for i, row in enumerate(rows):
         ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
         mask[i, : len(row)] = 1
-    with torch.inference_mode():
+    with torch.inference_mode(), padded_rows([len(r) for r in rows]):
         logits = _forward(clf, ids.to(clf.device), mask.to(clf.device))
     return logits.float().cpu().numpy().astype(np.float32, copy=False)
 

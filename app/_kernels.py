@@ -103,6 +103,32 @@ def check_fla(device: str, heads: int, dk: int, dv: int, dtype: str = "float16")
     return err
 
 
+BLAS_WORKSPACE_ENV = "CUBLAS_WORKSPACE_CONFIG"
+BLAS_WORKSPACE = ":0:0"  # no cuBLAS workspace: no split-K, so a GEMM's rows do not depend on its row count
+
+
+def batch_invariant_blas() -> dict:
+    """Run cuBLAS without a workspace unless the operator chose CUBLAS_WORKSPACE_CONFIG.
+
+    Measured on the H200 (benchmarks/gpu_divergence14.py, results_h200/embedded14/call7-divergence,
+    call8-blas): with PyTorch's default workspace, cuBLAS splits the K dimension of the MLP's
+    down projection (K 9216, N 2560) for short rows and not for a padded batch of them, so the
+    same row's output differed in the last bits between an exact and a padded forward; every other
+    linear layer, norm and the GDN kernels were bitwise batch-invariant. Without a workspace cuBLAS
+    cannot split K and the down projection became batch-invariant too; padded passes were as fast
+    (3.16 s vs 3.15 s for 128 rows). PyTorch reads the variable once, at its first cuBLAS call,
+    so this runs when app/_kernels.py is imported and again before a model is loaded."""
+    chosen = os.environ.get(BLAS_WORKSPACE_ENV)
+    if chosen is None:
+        os.environ[BLAS_WORKSPACE_ENV] = BLAS_WORKSPACE
+        return {"cublas_workspace_config": BLAS_WORKSPACE, "set_by": "openjev",
+                "reason": "no split-K: GEMM rows independent of the batch (padded == exact arithmetic)"}
+    return {"cublas_workspace_config": chosen, "set_by": "environment"}
+
+
+_BLAS = batch_invariant_blas()
+
+
 def configure_backends(device: str) -> dict:
     """PyTorch backend switches for varying sequence lengths on a GPU (the model code is untouched).
 
@@ -114,15 +140,16 @@ def configure_backends(device: str) -> dict:
     plans per shape. OPENJEV_CUDNN=1 keeps cuDNN."""
     import torch
 
+    blas = dict(_BLAS)
     if not device.startswith("cuda") or os.environ.get("OPENJEV_CUDNN") == "1":
-        return {"cudnn": bool(torch.backends.cudnn.enabled), "changed": False}
+        return {"cudnn": bool(torch.backends.cudnn.enabled), "changed": False, "blas": blas}
     # SDPA then runs FlashAttention for unpadded rows and the memory-efficient kernel for padded
     # batches (a mask). Forcing memory-efficient for both was measured worse on the H200 (reference
     # 12.7 instead of 17.5 rows/s, padded-vs-exact max |dp_e| 0.0027 instead of 0.0024).
     torch.backends.cudnn.enabled = False
     torch.backends.cuda.enable_cudnn_sdp(False)
     log.info("cuDNN disabled for conv1d and SDPA (per-length plan building); OPENJEV_CUDNN=1 keeps PyTorch's defaults")
-    return {"cudnn": False, "changed": True,
+    return {"cudnn": False, "changed": True, "blas": blas,
             "reason": "cuDNN plans per new sequence length (conv1d 5.7 ms, SDPA 4.8 ms of CPU per call on an H200)"}
 
 
@@ -204,6 +231,10 @@ def kernel_path(model) -> dict:
     info["attn_implementation"] = getattr(cfg, "_attn_implementation", None)
     info["torch"] = torch.__version__
     info["cudnn_enabled"] = bool(torch.backends.cudnn.enabled)
+    info["cublas_workspace_config"] = os.environ.get(BLAS_WORKSPACE_ENV)
+    from _classifier import padded_attention_mode
+
+    info["padded_attention"] = padded_attention_mode()
     info["sdp_backends"] = sdp_backends()
     info["compiled_modules"] = sorted({type(m).__name__ for m in model.modules() if getattr(m, "_openjev_compiled", False)})
     for mod, key in (("fla", "fla_version"), ("triton", "triton_version"), ("causal_conv1d", "causal_conv1d_version")):

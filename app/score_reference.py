@@ -8,8 +8,13 @@ Writes into the new directory OUT:
   tokens.sha256      `sha256sum -c` compatible line for the token file
 
 FP16 on a GPU (the spec's reference); on a CPU float32, recorded as such. --batch-size 1 (the
-default) scores each row alone and unpadded: the purest reference. A larger batch pads rows into
-one forward (faster on a GPU, recorded as mode "padded").
+default) scores each row alone and unpadded: the purest reference. A larger batch pads rows of
+similar length into one forward (recorded as mode "padded"); its full-attention layers attend
+row by row and cuBLAS runs without split-K (app/_classifier.py, app/_kernels.py), so on a GPU the
+padded logits are bitwise the unpadded ones (H200: 128 rows, 41.6 rows/s with --batch-size 8
+against 18.5 unpadded, results_h200/embedded14/call9-rowwise). --verify-rows N checks that on
+the machine at hand: N rows are scored again unpadded and must match bit for bit, else nothing is
+written. On a CPU the PyTorch GDN fallback is not batch-invariant: padded differs in the last bits.
 
 The forward is Transformers' own, with Transformers' own kernel choice: on a GPU with the extra of
 requirements-gpu-embedded.txt installed, flash-linear-attention's Triton kernels for the GDN
@@ -59,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exact mode on a GPU: threads sharing the model, a CUDA stream each (a warm exact forward "
                         "is launch-bound; the logits do not depend on it); 0 = auto: 2 on a GPU, 1 on a CPU "
                         "(default: 0)")
+    p.add_argument("--verify-rows", type=int, default=0,
+                   help="with --batch-size > 1: score N rows (shortest to longest) again unpadded after the timed "
+                        "pass and refuse to write anything unless their logits are bitwise the padded ones "
+                        "(default: 0, no check)")
     p.add_argument("--workers", type=int, default=1,
                    help="processes sharing the device, each loading the model and scoring a share of the rows "
                         "with the same forwards (one forward is launch-bound on a GPU: 2 keep it busy); the "
@@ -98,6 +107,36 @@ def score_units(clf, rows, units, out, threads=1, bar=None) -> None:
             bar.update(len(unit))
 
 
+def verify_picks(rows: list[list[int]], n: int) -> list[int]:
+    """n row indices spread from the shortest row to the longest (each at most once)."""
+    order = sorted(range(len(rows)), key=lambda i: (len(rows[i]), i))
+    n = min(n, len(order))
+    if n <= 0:
+        return []
+    return sorted({order[round(k * (len(order) - 1) / max(1, n - 1))] for k in range(n)})
+
+
+def verify_padded(clf, rows, logits, n: int) -> dict | None:
+    """--verify-rows: the picked rows' unpadded logits against the padded pass's, bit for bit."""
+    from _classifier import score_exact
+
+    picks = verify_picks(rows, n)
+    if not picks:
+        return None
+    exact = score_exact(clf, [rows[i] for i in picks])
+    diff = np.abs(exact - logits[picks])
+    unequal = int((diff.max(axis=1) > 0).sum() + (~np.isfinite(diff)).any(axis=1).sum())
+    result = {"rows": len(picks), "row_indices": picks, "lengths": [len(rows[i]) for i in picks],
+              "bitwise_equal": bool(np.array_equal(exact, logits[picks])), "unequal_rows": unequal,
+              "max_abs_logit_diff": float(np.nanmax(diff)) if diff.size else 0.0}
+    if not result["bitwise_equal"]:
+        raise UserError(f"--verify-rows: the padded logits of {unequal} of {len(picks)} rows are not bitwise their "
+                        f"unpadded logits (max |dlogit| {result['max_abs_logit_diff']:.3g}) on {clf.device}, "
+                        f"kernels {(clf.kernels or {}).get('gdn')}; this padded reference is not exact here: "
+                        "use --batch-size 1 (nothing written)")
+    return result
+
+
 def score_here(args, rows, row_ids, units):
     from _kernels import warm_up
 
@@ -109,8 +148,9 @@ def score_here(args, rows, row_ids, units):
     with tqdm(total=len(rows), unit="row", desc="reference", disable=None, file=sys.stderr) as bar:
         score_units(clf, rows, units, logits, threads, bar)
     elapsed = time.perf_counter() - t0
-    return ({"dtype": clf.dtype, "device": clf.device, "kernels": clf.kernels, "warmup": warm, "threads": threads},
-            logits, elapsed)
+    verify = verify_padded(clf, rows, logits, args.verify_rows) if args.batch_size > 1 else None
+    return ({"dtype": clf.dtype, "device": clf.device, "kernels": clf.kernels, "warmup": warm, "threads": threads,
+             "verify": verify}, logits, elapsed)
 
 
 def _worker(args, rows, row_ids, units, ready, go, results) -> None:
@@ -188,6 +228,13 @@ def main() -> int:
         raise UserError(f"output directory {args.out} already exists; refusing to overwrite it")
     if args.batch_size < 1 or args.truncate < 1 or args.warmup < 0 or args.workers < 1 or args.threads < 0:
         raise UserError("--batch-size, --truncate and --workers must be positive, --warmup and --threads not negative")
+    if args.verify_rows < 0:
+        raise UserError("--verify-rows must not be negative")
+    if args.verify_rows and args.batch_size == 1:
+        raise UserError("--verify-rows checks padded batches against unpadded rows; with --batch-size 1 every row "
+                        "is already unpadded")
+    if args.verify_rows and args.workers > 1:
+        raise UserError("--verify-rows runs in the scoring process: use it with --workers 1")
     if args.kernels:
         os.environ["OPENJEV_KERNELS"] = args.kernels
     row_ids, rows = read_tokens(args.tokens)
@@ -203,8 +250,10 @@ def main() -> int:
     from _classifier import weight_files
     from _kernels import compute_bound, measure_matmul_peak, model_flops, path_label
 
-    # units of work: single rows (exact) or the same consecutive batches whatever --workers is
-    units = [list(range(s, min(s + args.batch_size, len(rows)))) for s in range(0, len(rows), args.batch_size)]
+    # units of work: single rows (exact), or batches of rows of similar length (the rows sorted by
+    # length, then cut every --batch-size), the same whatever --workers is
+    order = sorted(range(len(rows)), key=lambda i: (len(rows[i]), i)) if args.batch_size > 1 else list(range(len(rows)))
+    units = [order[s:s + args.batch_size] for s in range(0, len(order), args.batch_size)]
     if args.workers == 1:
         info, logits, elapsed = score_here(args, rows, row_ids, units)
     else:
@@ -230,7 +279,7 @@ def main() -> int:
         "model": {"path": str(args.model), "resolved": str(args.model.resolve()), "files": weight_files(args.model)},
         "backend": "transformers", "dtype": clf_dtype, "device": clf_device,
         "mode": "exact" if args.batch_size == 1 else "padded", "batch_size": args.batch_size, "workers": args.workers,
-        "threads": {"requested": args.threads, "ran": info["threads"]},
+        "threads": {"requested": args.threads, "ran": info["threads"]}, "verify": info.get("verify"),
         "logits_sha256": sha256_file(staging / "reference.npy"), "elapsed_s": round(elapsed, 3),
         "rows_per_s": round(len(rows) / elapsed, 3) if elapsed > 0 else None,
         "warmup": warm, "kernel_path": kernels, "compute_bound": bound,

@@ -14,6 +14,7 @@
 #                  processes (default 1)
 #   reference_w1   the same with one process; checks the logits are bitwise equal
 #   reference_t1   the same with --threads 1 (the default runs 2 on a GPU); checks the logits are bitwise equal
+#   reference_b8   the same with --batch-size 8 (padded, row-by-row attention); checks the logits are bitwise equal
 #   reference_torch  the same with --kernels torch (figure only; its logits are not the reference)
 #   http           app/serve_transformers.py + app/bench_classify_v100.py through /classify
 #                  (batches of 32, 4 workers, median of 3, GPU-exclusivity monitor), then
@@ -29,6 +30,10 @@
 #   http_compiled  the same with OPENJEV_COMPILE=1 (norm and MLP modules through torch.compile)
 #   variants       benchmarks/gpu_variants14.py: exact-loop and padded-forward variants in one process,
 #                  each compared with the baseline exact pass (VARIANTS: its --variants list)
+#   divergence     benchmarks/gpu_divergence14.py: where padded forwards leave the exact FP16 reference
+#                  (module by module), cuBLAS reduced-precision reductions on/off, host syncs and a
+#                  cProfile of a warm exact forward, and every candidate against an FP32 forward
+#                  (DIVERGENCE_PARTS: its --parts list)
 # Results are packed after every stage into OUTDIR/results.tgz (a time-out keeps what ran).
 # Environment: PYTHON (default python3), WORK (default /tmp/openjev-h200), SHAPE (qwen3.5-4b),
 # DEVICE (cuda), ROWS (128), SERVER_ARGS (serve_transformers.py flags; default --max-running-requests 8), HTTP_LABEL,
@@ -100,6 +105,8 @@ stage_reference_w1() { reference_again w1 "--workers ${REF_WORKERS:-1} and 1" --
 
 stage_reference_t1() { reference_again t1 "--threads auto and 1" --threads 1; }
 
+stage_reference_b8() { reference_again b8 "--batch-size 1 and 8" --batch-size 8; }
+
 stage_reference_torch() {
   rm -rf "$REF-torch"
   "$PY" app/score_reference.py --model "$MODEL" --tokens "$SET.tokens.jsonl" --inputs "$SET.jsonl" \
@@ -135,6 +142,11 @@ stage_variants() {
     --device "$DEVICE" ${VARIANTS:+--variants "$VARIANTS"}
 }
 
+stage_divergence() {
+  "$PY" benchmarks/gpu_divergence14.py --model "$MODEL" --tokens "$SET.tokens.jsonl" --out "$R/divergence" \
+    --device "$DEVICE" --machine-label "$LABEL" ${DIVERGENCE_PARTS:+--parts "$DIVERGENCE_PARTS"}
+}
+
 stage_http_compiled() {  # the same server with OPENJEV_COMPILE=1 (norm/MLP modules compiled)
   OPENJEV_COMPILE=1 HTTP_LABEL=embedded_${SHAPE}_${DEVICE}_compiled stage_http
 }
@@ -159,10 +171,10 @@ stage_replicas() {  # issue 15: two replicas sharing GPU 0 behind the gateway
   return $rc
 }
 
-export PY W R SHAPE DEVICE ROWS LABEL DTYPE SET MODEL REF PROFILE_ARGS SERVER_ARGS HTTP_LABEL REF_WORKERS OPENJEV_COMPILE VARIANTS
-export VARIANTS=${VARIANTS:-}
+export PY W R SHAPE DEVICE ROWS LABEL DTYPE SET MODEL REF PROFILE_ARGS SERVER_ARGS HTTP_LABEL REF_WORKERS OPENJEV_COMPILE VARIANTS DIVERGENCE_PARTS
+export VARIANTS=${VARIANTS:-} DIVERGENCE_PARTS=${DIVERGENCE_PARTS:-}
 export HAPROXY=${HAPROXY:-}
-export -f free_port reference_again stage_replicas stage_prep stage_profile stage_profile_torch stage_reference stage_reference_w1 stage_reference_t1 stage_reference_torch stage_variants stage_http stage_http_compiled stage_http16
+export -f free_port reference_again stage_replicas stage_prep stage_profile stage_profile_torch stage_reference stage_reference_w1 stage_reference_t1 stage_reference_b8 stage_reference_torch stage_variants stage_divergence stage_http stage_http_compiled stage_http16
 for s in ${STAGES:-prep profile profile_torch reference http}; do
   log "stage $s"
   timeout -k 10 "$TO" bash -c "stage_$s" 2>&1 | tee "$R/stage_$s.log"

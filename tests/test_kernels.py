@@ -45,6 +45,35 @@ def test_cpu_load_reports_the_fallback_and_its_reason(overlay):
     assert kp["gdn"] == "torch-fallback" and kp["causal_conv1d"].endswith("causal_conv1d_fn")
     assert kp["selection"]["requested"] == "auto" and "Triton GPU kernels" in kp["selection"]["reason"]
     assert "PyTorch fallback" in proc.stderr  # the reason is logged too
+    assert kp["cublas_workspace_config"] == ":0:0" and kp["padded_attention"] == "rowwise"
+
+
+def test_cublas_workspace_is_set_once_and_an_operators_choice_kept(overlay):
+    """Without a workspace cuBLAS cannot split K, which keeps a GEMM's rows independent of the row
+    count (padded == exact on a GPU). The variable must be set before torch's first cuBLAS call,
+    so importing _kernels sets it; an operator's CUBLAS_WORKSPACE_CONFIG is kept and recorded."""
+    code = ("import json, os; import _kernels; from _classifier import load_classifier; "
+            f"k = load_classifier({str(overlay)!r}, 'cpu').kernels; "
+            "print(json.dumps([os.environ['CUBLAS_WORKSPACE_CONFIG'], k['cublas_workspace_config'], "
+            "k['selection']['backends']['blas']]))")
+    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    env["PYTHONPATH"] = f"{REPO / 'app'}:{REPO}"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    env_value, recorded, blas = json.loads(proc.stdout.splitlines()[-1])
+    assert env_value == recorded == ":0:0" and blas["set_by"] == "openjev" and "split-K" in blas["reason"]
+    proc = run_py(code, {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
+    assert proc.returncode == 0, proc.stderr
+    env_value, recorded, blas = json.loads(proc.stdout.splitlines()[-1])
+    assert env_value == recorded == ":4096:8" and blas == {"cublas_workspace_config": ":4096:8", "set_by": "environment"}
+
+
+def test_masked_padded_attention_is_recorded(overlay):
+    proc = run_py(f"import json; from _classifier import load_classifier; "
+                  f"print(json.dumps(load_classifier({str(overlay)!r}, 'cpu').kernels['padded_attention']))",
+                  {"OPENJEV_PADDED_ATTENTION": "masked"})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == "masked"
 
 
 def test_unknown_kernel_mode_is_a_clear_error(overlay):

@@ -146,7 +146,8 @@ def test_forced_torch_kernels_are_recorded(overlay, sample_tokens, tmp_path):
     assert meta["warmup"]["forwards"] == 0
 
 
-@pytest.mark.parametrize("flag", [["--workers", "0"], ["--warmup", "-1"], ["--threads", "-1"]])
+@pytest.mark.parametrize("flag", [["--workers", "0"], ["--warmup", "-1"], ["--threads", "-1"], ["--verify-rows", "-1"],
+                                  ["--verify-rows", "4"], ["--verify-rows", "4", "--batch-size", "4", "--workers", "2"]])
 def test_bad_workers_or_warmup_are_refused(overlay, sample_tokens, tmp_path, flag):
     proc = run_script("score_reference.py", "--model", overlay, "--tokens", sample_tokens, "--out", tmp_path / "r",
                       *flag)
@@ -162,6 +163,27 @@ def test_threads_on_a_cpu_run_one_and_change_nothing(overlay, sample_tokens, ref
     assert "1 worker(s) x 1 thread(s)" in proc.stdout
 
 
+def test_verify_picks_spread_from_shortest_to_longest():
+    sys.path.insert(0, str(REPO / "app"))
+    from score_reference import verify_picks
+
+    rows = [[1] * n for n in (5, 1, 9, 3, 7, 2)]
+    assert verify_picks(rows, 2) == [1, 2]  # the shortest and the longest row
+    assert verify_picks(rows, 3) == [1, 2, 3]  # lengths 1, 3 (the middle of the sorted rows) and 9
+    assert verify_picks(rows, 99) == list(range(6)) and verify_picks(rows, 0) == [] and verify_picks([], 3) == []
+
+
+def test_verify_rows_refuses_a_padded_reference_that_is_not_exact(overlay, sample_tokens, tmp_path):
+    """On a CPU the PyTorch GDN fallback is not batch-invariant, so padded logits differ from the
+    unpadded ones in the last bits: --verify-rows must see it, say so and write nothing (on a GPU
+    the same check passes: test_padded_reference_on_a_gpu_is_bitwise_the_exact_one)."""
+    proc = run_script("score_reference.py", "--model", overlay, "--tokens", sample_tokens, "--out", tmp_path / "r",
+                      "--batch-size", "4", "--verify-rows", "50", "--no-peak")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "are not bitwise their unpadded logits" in proc.stderr and "use --batch-size 1" in proc.stderr
+    assert not (tmp_path / "r").exists() and not list(tmp_path.glob(".r.partial*"))
+
+
 def _classifier_and_rows(overlay, sample_tokens):
     sys.path.insert(0, str(REPO / "app"))
     from _classifier import load_classifier
@@ -174,7 +196,7 @@ def test_exact_and_padded_forwards_without_the_cache_are_bitwise_the_default_cal
     """score_exact/score_padded pass use_cache=False (no cache object built and filled); the logits
     must be bitwise those of Transformers' default call, which builds the cache."""
     torch = pytest.importorskip("torch")
-    from _classifier import score_exact, score_padded
+    from _classifier import padded_rows, score_exact, score_padded
 
     clf, rows = _classifier_and_rows(overlay, sample_tokens)
     rows = rows[:4]
@@ -183,13 +205,101 @@ def test_exact_and_padded_forwards_without_the_cache_are_bitwise_the_default_cal
         width = max(map(len, rows))
         ids = torch.tensor([r + [clf.pad_token_id] * (width - len(r)) for r in rows])
         mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
-        padded_default = clf.model(input_ids=ids, attention_mask=mask).logits.float().numpy()
+        with padded_rows([len(r) for r in rows]):  # score_padded's row-by-row attention
+            padded_default = clf.model(input_ids=ids, attention_mask=mask).logits.float().numpy()
     assert clf.model.config.get_text_config().use_cache  # the default call really builds a cache
     assert np.array_equal(score_exact(clf, rows), default)
     assert np.array_equal(score_padded(clf, rows), padded_default)
     seen = []
     assert np.array_equal(score_exact(clf, rows, threads=4, progress=seen.append), default)  # CPU: one thread
     assert sum(seen) == len(rows)
+
+
+def _attention_calls(clf, rows):
+    """The first full-attention module's inputs and output in each row's exact forward, and the
+    attention mask of the rows' padded forward (forward pre-hooks on the unmodified model)."""
+    import torch
+
+    attn = next(m for n, m in clf.model.named_modules() if n.endswith("self_attn"))
+    seen: list = []
+    h1 = attn.register_forward_pre_hook(lambda m, a, kw: seen.append(dict(kw)), with_kwargs=True)
+    h2 = attn.register_forward_hook(lambda m, a, kw, out: seen[-1].update(out=out[0]), with_kwargs=True)
+    try:
+        with torch.inference_mode():
+            for r in rows:
+                clf.model(input_ids=torch.tensor([r]), use_cache=False)
+            width = max(map(len, rows))
+            ids = torch.tensor([r + [clf.pad_token_id] * (width - len(r)) for r in rows])
+            mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+            clf.model(input_ids=ids, attention_mask=mask, use_cache=False)
+    finally:
+        h1.remove()
+        h2.remove()
+    return attn, seen[: len(rows)], seen[len(rows)]["attention_mask"]
+
+
+def test_rowwise_attention_repeats_each_rows_unpadded_call(overlay, sample_tokens):
+    """A padded batch through the full-attention module, with the rows' lengths given
+    (padded_rows, as score_padded does), gives each row bitwise the output of its own unpadded
+    forward: same queries, keys and values, attended through the same unmasked causal call."""
+    torch = pytest.importorskip("torch")
+    from _classifier import padded_rows, rowwise_attention
+
+    assert rowwise_attention() == "rowwise"
+    clf, rows = _classifier_and_rows(overlay, sample_tokens)
+    rows = sorted(rows[:6], key=len)
+    attn, exact, mask = _attention_calls(clf, rows)
+    assert mask is not None  # the padded forward really passes a mask
+    width = max(map(len, rows))
+    hidden = torch.zeros((len(rows), width, exact[0]["hidden_states"].shape[-1]))
+    for j, call in enumerate(exact):
+        hidden[j, : len(rows[j])] = call["hidden_states"][0]
+    cos, sin = exact[-1]["position_embeddings"]  # the longest row: positions 0..width-1
+    pos = (cos.expand(len(rows), -1, -1), sin.expand(len(rows), -1, -1))
+    with torch.inference_mode():
+        with padded_rows([len(r) for r in rows]):
+            rowwise, _ = attn(hidden_states=hidden, position_embeddings=pos, attention_mask=mask)
+        masked, _ = attn(hidden_states=hidden, position_embeddings=pos, attention_mask=mask)
+    worst_masked = 0.0
+    for j, call in enumerate(exact):
+        n = len(rows[j])
+        assert torch.equal(rowwise[j, :n], call["out"][0]), f"row {j} ({n} tokens)"
+        assert not rowwise[j, n:].any()  # padding positions: zeros
+        worst_masked = max(worst_masked, float((masked[j, :n] - call["out"][0]).abs().max()))
+    assert worst_masked < 1e-4  # Transformers' masked call: the same values up to rounding
+
+
+def test_padded_attention_mode_is_checked(monkeypatch):
+    from _classifier import padded_attention_mode
+
+    from _common import UserError
+
+    monkeypatch.setenv("OPENJEV_PADDED_ATTENTION", "masked")
+    assert padded_attention_mode() == "masked"
+    monkeypatch.setenv("OPENJEV_PADDED_ATTENTION", "fast")
+    with pytest.raises(UserError, match="expected rowwise or masked"):
+        padded_attention_mode()
+
+
+@pytest.mark.gpu
+def test_padded_reference_on_a_gpu_is_bitwise_the_exact_one(overlay, sample_tokens, tmp_path):
+    """On a GPU (cuBLAS without split-K, attention row by row) padded forwards repeat each row's
+    unpadded forward bit for bit: --batch-size 8 with --verify-rows passes and equals --batch-size 1
+    (measured on the H200: results_h200/embedded14/call9-rowwise). Separate processes, so this test
+    process keeps its CPU kernel binding."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: padded == exact is a GPU property (cuBLAS without split-K); "
+                    "measured on an H200: results_h200/embedded14/call9-rowwise")
+    common = ["--model", overlay, "--tokens", sample_tokens, "--device", "cuda", "--dtype", "float16", "--no-peak"]
+    run_script("score_reference.py", *common, "--out", tmp_path / "exact", check=True)
+    run_script("score_reference.py", *common, "--out", tmp_path / "b8", "--batch-size", "8", "--verify-rows", "8",
+               check=True)
+    meta = json.loads((tmp_path / "b8" / "reference.json").read_text())
+    assert meta["mode"] == "padded" and meta["verify"]["bitwise_equal"] and meta["verify"]["rows"] == 8
+    assert meta["kernel_path"]["padded_attention"] == "rowwise"
+    assert meta["kernel_path"]["cublas_workspace_config"] == ":0:0"
+    assert np.array_equal(np.load(tmp_path / "exact" / "reference.npy"), np.load(tmp_path / "b8" / "reference.npy"))
 
 
 @pytest.mark.gpu
