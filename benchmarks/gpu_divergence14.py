@@ -28,7 +28,6 @@ OUT/cprofile.txt. Example (GPU machine):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import io
 import json
@@ -47,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 
 from _common import environment_receipt, read_tokens, truncate_rows, utc_now  # noqa: E402
-from gpu_profile import sync  # noqa: E402
+from gpu_profile import base_parser, sync  # noqa: E402
 from gpu_variants14 import agreement, groups_for, padded_loop  # noqa: E402
 
 PARTS = ("candidates", "chain", "isolated", "overhead", "truth")
@@ -64,11 +63,7 @@ BLAS_ENV = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE", "TORCH_BLAS_PR
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, required=True)
-    p.add_argument("--tokens", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True, help="directory (created; refused if not empty)")
-    p.add_argument("--device", default="cuda")
+    p = base_parser(__doc__, "directory (created; refused if not empty)")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
     p.add_argument("--rows", type=int, default=8, help="rows per padded forward (default 8, the served setting)")
     p.add_argument("--budget", type=int, default=16384, help="padded tokens per forward (default 16384)")
@@ -222,19 +217,14 @@ def overhead(clf, rows, repeats: int = 10) -> dict:
                 key = " <- ".join(reversed(stack[-4:]))
                 syncs[key] = syncs.get(key, 0) + 1
 
-            old = warnings.showwarning
-            warnings.showwarning = record
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("always")
-                    warnings.showwarning = record
-                    torch.cuda.set_sync_debug_mode("warn")
-                    try:
-                        _forward(clf, ids)
-                    finally:
-                        torch.cuda.set_sync_debug_mode("default")
-            finally:
-                warnings.showwarning = old
+            with warnings.catch_warnings():  # restores showwarning on the way out
+                warnings.simplefilter("always")
+                warnings.showwarning = record
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    _forward(clf, ids)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
             sync(clf.device)
             res["host_syncs_per_forward"] = sum(syncs.values())
             res["host_sync_sites"] = syncs
@@ -395,5 +385,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    with contextlib.suppress(KeyboardInterrupt):
-        sys.exit(main())
+    sys.exit(main())

@@ -34,12 +34,18 @@ import numpy as np  # noqa: E402
 from _common import read_tokens, truncate_rows  # noqa: E402
 
 
+def base_parser(doc: str, out_help: str = "directory (created)") -> argparse.ArgumentParser:
+    """The arguments every GPU benchmark script of issue 14 takes: model, token file, output, device."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, required=True, help="model (or overlay) directory")
+    p.add_argument("--tokens", type=Path, required=True, help="token file (JSONL {id, input_ids})")
+    p.add_argument("--out", type=Path, required=True, help=out_help)
+    p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default: cuda)")
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, required=True)
-    p.add_argument("--tokens", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True, help="directory (created)")
-    p.add_argument("--device", default="cuda")
+    p = base_parser(__doc__)
     p.add_argument("--tag", default="", help="suffix of the output file names")
     p.add_argument("--exact-rows", type=int, default=12, help="rows per exact group (default 12)")
     p.add_argument("--budgets", default="16384,32768,65536", help="token budgets of the padded passes")

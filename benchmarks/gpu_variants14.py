@@ -40,18 +40,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from _common import environment_receipt, read_tokens, truncate_rows, utc_now  # noqa: E402
-from gpu_profile import sync  # noqa: E402
+from gpu_profile import base_parser, sync  # noqa: E402
 
 EXACT = ("exact", "exact_nocache", "exact_async", "exact_threads2", "exact_threads3")
 PADDED = ("padded", "padded_nocache", "compiled_pointwise", "compiled_layers")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, required=True)
-    p.add_argument("--tokens", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True, help="directory (created)")
-    p.add_argument("--device", default="cuda")
+    p = base_parser(__doc__)
     p.add_argument("--variants", default=",".join(EXACT + PADDED), help="comma list, in order")
     p.add_argument("--rows", default="8,16", help="rows per padded forward to try (default 8,16)")
     p.add_argument("--budget", type=int, default=16384, help="padded tokens per forward (default 16384)")

@@ -14,7 +14,8 @@
 #                  processes (default 1)
 #   reference_w1   the same with one process; checks the logits are bitwise equal
 #   reference_t1   the same with --threads 1 (the default runs 2 on a GPU); checks the logits are bitwise equal
-#   reference_b8   the same with --batch-size 8 (padded, row-by-row attention); checks the logits are bitwise equal
+#   reference_b8   the same with --batch-size 8 --verify-rows 8 (padded, row-by-row attention); checks the
+#                  logits are bitwise equal
 #   reference_torch  the same with --kernels torch (figure only; its logits are not the reference)
 #   http           app/serve_transformers.py + app/bench_classify_v100.py through /classify
 #                  (batches of 32, 4 workers, median of 3, GPU-exclusivity monitor), then
@@ -105,7 +106,7 @@ stage_reference_w1() { reference_again w1 "--workers ${REF_WORKERS:-1} and 1" --
 
 stage_reference_t1() { reference_again t1 "--threads auto and 1" --threads 1; }
 
-stage_reference_b8() { reference_again b8 "--batch-size 1 and 8" --batch-size 8; }
+stage_reference_b8() { reference_again b8 "--batch-size 1 and 8" --batch-size 8 --verify-rows 8; }
 
 stage_reference_torch() {
   rm -rf "$REF-torch"
