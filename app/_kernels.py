@@ -117,13 +117,19 @@ def batch_invariant_blas() -> dict:
     linear layer, norm and the GDN kernels were bitwise batch-invariant. Without a workspace cuBLAS
     cannot split K and the down projection became batch-invariant too; padded passes were as fast
     (3.16 s vs 3.15 s for 128 rows). PyTorch reads the variable once, at its first cuBLAS call,
-    so this runs when app/_kernels.py is imported and again before a model is loaded."""
+    so this runs when app/_kernels.py is imported (load_classifier imports it before any GPU work);
+    if CUDA was already initialised then, a cuBLAS handle made before may keep its workspace, and
+    the record says so."""
     chosen = os.environ.get(BLAS_WORKSPACE_ENV)
-    if chosen is None:
-        os.environ[BLAS_WORKSPACE_ENV] = BLAS_WORKSPACE
-        return {"cublas_workspace_config": BLAS_WORKSPACE, "set_by": "openjev",
-                "reason": "no split-K: GEMM rows independent of the batch (padded == exact arithmetic)"}
-    return {"cublas_workspace_config": chosen, "set_by": "environment"}
+    if chosen is not None:
+        return {"cublas_workspace_config": chosen, "set_by": "environment"}
+    os.environ[BLAS_WORKSPACE_ENV] = BLAS_WORKSPACE
+    out = {"cublas_workspace_config": BLAS_WORKSPACE, "set_by": "openjev",
+           "reason": "no split-K: GEMM rows independent of the batch (padded == exact arithmetic)"}
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        out["warning"] = "CUDA was initialised before app/_kernels.py was imported: cuBLAS may already have a workspace"
+    return out
 
 
 _BLAS = batch_invariant_blas()
