@@ -46,8 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 
 from _common import environment_receipt, read_tokens, truncate_rows, utc_now  # noqa: E402
-from gpu_profile import base_parser, sync  # noqa: E402
-from gpu_variants14 import agreement, groups_for, padded_loop  # noqa: E402
+from gpu_profile import base_parser, budget_groups, sync  # noqa: E402
+from gpu_variants14 import agreement, padded_loop  # noqa: E402
 
 PARTS = ("candidates", "chain", "isolated", "overhead", "truth")
 # sub-modules compared in the chain, by the last component of their name
@@ -93,6 +93,11 @@ def diff_entry(name: str, a, b) -> dict:
     return {"module": name, "max_abs_diff": d, "rel": d / scale if scale else 0.0}
 
 
+def worst_of(entries) -> dict:
+    """The diff_entry with the largest max_abs_diff (the first of equals)."""
+    return max(entries, key=lambda e: e["max_abs_diff"])
+
+
 def chain(clf, rows, group) -> list[dict]:
     """Every chained sub-module's output in the padded forward of `group` vs each row's exact forward."""
     import torch
@@ -110,12 +115,9 @@ def chain(clf, rows, group) -> list[dict]:
             t = first_tensor(out)
             if state["row"] is not None:  # exact forward of one row: keep [T, H]
                 kept[(state["row"], name)] = t[0].detach().clone()
-            else:  # padded forward: compare each row's slice
-                worst = None
-                for j, i in enumerate(group):
-                    e = diff_entry(name, t[j, : len(rows[i])], kept.pop((i, name)))
-                    worst = e if worst is None or e["max_abs_diff"] > worst["max_abs_diff"] else worst
-                results[name] = worst
+            else:  # padded forward: compare each row's slice, keep the worst row
+                results[name] = worst_of(diff_entry(name, t[j, : len(rows[i])], kept.pop((i, name)))
+                                         for j, i in enumerate(group))
         return fn
 
     handles = [m.register_forward_hook(hook(n)) for n, m in mods.items()]
@@ -176,10 +178,7 @@ def isolated(clf, rows, group, layer_indices) -> list[dict]:
             is_gdn = n.endswith("linear_attn")
             alone = [first_tensor(m(x[None], attention_mask=None) if is_gdn else m(x[None]))[0] for x in xs]
             both = first_tensor(m(batch, attention_mask=mask) if is_gdn else m(batch))
-            worst = None
-            for j, x in enumerate(xs):
-                e = diff_entry(n, both[j, : x.shape[0]], alone[j])
-                worst = e if worst is None or e["max_abs_diff"] > worst["max_abs_diff"] else worst
+            worst = worst_of(diff_entry(n, both[j, : x.shape[0]], alone[j]) for j, x in enumerate(xs))
             worst["bitwise_equal"] = worst["max_abs_diff"] == 0.0
             out.append(worst)
     return out
@@ -273,7 +272,7 @@ def main() -> int:
     rows, _ = truncate_rows(rows, 4096)
     lengths = [len(r) for r in rows]
     res.update(rows=len(rows), tokens=sum(lengths))
-    groups = groups_for(lengths, args.rows, args.budget)
+    groups = budget_groups(lengths, args.budget, args.rows)
     out_json = args.out / "divergence.json"
 
     def save():

@@ -78,11 +78,13 @@ def time_exact(clf, rows, device):
     return out
 
 
-def budget_groups(lengths, budget):
+def budget_groups(lengths: list[int], budget: int, max_rows: int | None = None) -> list[list[int]]:
+    """Length-sorted forwards of at most `budget` padded tokens (rows x longest row) and, when
+    given, at most `max_rows` rows, as the embedded server's scheduler forms them."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     groups, cur = [], []
     for i in order:
-        if cur and (len(cur) + 1) * lengths[i] > budget:
+        if cur and ((max_rows is not None and len(cur) + 1 > max_rows) or (len(cur) + 1) * lengths[i] > budget):
             groups.append(cur)
             cur = []
         cur.append(i)
@@ -232,7 +234,8 @@ def main() -> int:
         res["padded_compiled"] = comp
     if not args.no_profile and padded:
         budget = int(args.budgets.split(",")[1 if "," in args.budgets else 0])
-        g = budget_groups(lengths, budget)[len(budget_groups(lengths, budget)) // 2]
+        groups = budget_groups(lengths, budget)
+        g = groups[len(groups) // 2]
         res["profile_padded"] = prof_tables(lambda: score_padded(clf, [rows[i] for i in g]), args.device,
                                             args.out / f"profile_padded{args.tag}.txt")
         res["profile_padded"]["rows"] = len(g)

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from _common import environment_receipt, read_tokens, truncate_rows, utc_now  # noqa: E402
-from gpu_profile import base_parser, sync  # noqa: E402
+from gpu_profile import base_parser, budget_groups, sync  # noqa: E402
 
 EXACT = ("exact", "exact_nocache", "exact_async", "exact_threads2", "exact_threads3")
 PADDED = ("padded", "padded_nocache", "compiled_pointwise", "compiled_layers")
@@ -68,20 +68,6 @@ def agreement(cand: np.ndarray, ref: np.ndarray) -> dict:
     return {"bitwise_equal": bool(np.array_equal(cand, ref)), "max_abs_logit_diff": float(np.abs(cand - ref).max()),
             "max_abs_dp_e": float(np.abs(pc[:, 1] - pr[:, 1]).max()), "max_abs_dp": float(np.abs(pc - pr).max()),
             "argmax_changes": int((pc.argmax(1) != pr.argmax(1)).sum())}
-
-
-def groups_for(lengths: list[int], max_rows: int, budget: int) -> list[list[int]]:
-    """Length-sorted forwards of at most max_rows rows and budget padded tokens."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    groups, cur = [], []
-    for i in order:
-        if cur and (len(cur) + 1 > max_rows or (len(cur) + 1) * lengths[i] > budget):
-            groups.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        groups.append(cur)
-    return groups
 
 
 def forward_logits(clf, ids, mask=None, use_cache=None):
@@ -226,7 +212,7 @@ def main() -> int:
                     entry_n = 0
                 entry = {"compiled_modules": entry_n}
                 for r in [int(x) for x in args.rows.split(",")]:
-                    groups = groups_for(lengths, r, args.budget)
+                    groups = budget_groups(lengths, args.budget, r)
                     times = []
                     for rep in range(1 + args.repeats):
                         sync(args.device)
