@@ -115,8 +115,9 @@ def batch_invariant_blas() -> dict:
     down projection (K 9216, N 2560) for short rows and not for a padded batch of them, so the
     same row's output differed in the last bits between an exact and a padded forward; every other
     linear layer, norm and the GDN kernels were bitwise batch-invariant. Without a workspace cuBLAS
-    cannot split K and the down projection became batch-invariant too; padded passes were as fast
-    (3.16 s vs 3.15 s for 128 rows). PyTorch reads the variable once, at its first cuBLAS call,
+    cannot split K and the down projection became batch-invariant too; padded passes took
+    3.16 s for 128 rows with it (call 8) and 3.15 s without (call 7), on two lent machines: not
+    a same-machine comparison. PyTorch reads the variable once, at its first cuBLAS call,
     so this runs when app/_kernels.py is imported (load_classifier imports it before any GPU work);
     if CUDA was already initialised then, a cuBLAS handle made before may keep its workspace, and
     the record says so."""
