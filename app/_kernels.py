@@ -243,6 +243,9 @@ def kernel_path(model) -> dict:
 
     info["padded_attention"] = padded_attention_mode()
     info["sdp_backends"] = sdp_backends()
+    from _fused import fused_record
+
+    info["fused"] = fused_record(model)
     info["compiled_modules"] = sorted({type(m).__name__ for m in model.modules() if getattr(m, "_openjev_compiled", False)})
     for mod, key in (("fla", "fla_version"), ("triton", "triton_version"), ("causal_conv1d", "causal_conv1d_version")):
         m = sys.modules.get(mod)
@@ -421,13 +424,18 @@ WARM_TOKENS_ENV = "OPENJEV_WARM_TOKENS"
 
 
 def prepare_serving(clf, batching: str, max_rows: int = 16, max_tokens: int | None = None) -> dict:
-    """What the embedded server does after loading: optional compile (OPENJEV_COMPILE=1, GPU
-    only), fla autotune warm-up for forwards of up to `max_rows` rows and `max_tokens` padded
+    """What the embedded server does after loading: on a GPU, the fused kernels of app/_fused.py
+    where they are bitwise Transformers' modules (OPENJEV_FUSED=off keeps none) or, instead,
+    torch.compile of the norm/MLP modules (OPENJEV_COMPILE=1); fla autotune warm-up for forwards of up to `max_rows` rows and `max_tokens` padded
     tokens (default $OPENJEV_WARM_TOKENS or 16384), then warm-up forwards; the kernel path is read
     again afterwards."""
     compiled = 0
     if os.environ.get("OPENJEV_COMPILE") == "1" and clf.device != "cpu":
         compiled = compile_pointwise(clf.model)
+    else:
+        from _fused import apply_fused
+
+        apply_fused(clf.model, clf.device)
     tokens = max_tokens or int(os.environ.get(WARM_TOKENS_ENV) or 16384)
     shapes = warm_fla_shapes(clf, max_rows if batching != "exact" else 1, tokens if batching != "exact" else 4096)
     warm = warm_up(clf, synthetic_rows(clf.vocab_size), padded=batching != "exact")

@@ -16,6 +16,8 @@ Padded variants (rows of a forward length-sorted, at most --rows rows and --budg
 as the embedded server's scheduler forms them; fraction of the fp16 matmul peak):
   padded           padded forwards with Transformers' default use_cache (before the change)
   padded_nocache   app/_classifier.py score_padded (use_cache=False)
+  padded_fused     padded_nocache with app/_fused.py's kernels (only the pieces bitwise equal to
+                   Transformers' modules on this device; the record is kept in the entry)
   compiled_pointwise  norm/MLP modules through torch.compile with Inductor's
                    emulate_precision_casts (eager's fp16 rounding kept inside fused kernels)
   compiled_layers  whole decoder layers compiled likewise, fla's chunk rule left out of the graph
@@ -43,7 +45,7 @@ from _common import environment_receipt, read_tokens, truncate_rows, utc_now  # 
 from gpu_profile import base_parser, budget_groups, sync  # noqa: E402
 
 EXACT = ("exact", "exact_nocache", "exact_async", "exact_threads2", "exact_threads3")
-PADDED = ("padded", "padded_nocache", "compiled_pointwise", "compiled_layers")
+PADDED = ("padded", "padded_nocache", "padded_fused", "compiled_pointwise", "compiled_layers")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,6 +155,7 @@ def main() -> int:
     import torch
 
     from _classifier import load_classifier, score_exact
+    from _fused import apply_fused, remove_fused
     from _kernels import compile_pointwise, kernel_path, measure_matmul_peak, model_flops, path_label, warm_up
 
     res: dict = {"kind": "openjev-variants14", "made_by": "benchmarks/gpu_variants14.py", "made_at": utc_now(),
@@ -202,7 +205,11 @@ def main() -> int:
                 entry = {"pass_s": round(sec, 3), "rows_per_s": round(len(rows) / sec, 2), **agreement(logits, ref)}
             else:
                 uncompile(clf.model)
+                remove_fused(clf.model)
                 use_cache = None if v == "padded" else False
+                entry = {}
+                if v == "padded_fused":
+                    entry["fused"] = apply_fused(clf.model, args.device)
                 if v.startswith("compiled"):
                     import torch._inductor.config as ic
 
@@ -210,7 +217,7 @@ def main() -> int:
                     entry_n = compile_pointwise(clf.model) if v == "compiled_pointwise" else compile_layers(clf.model)
                 else:
                     entry_n = 0
-                entry = {"compiled_modules": entry_n}
+                entry["compiled_modules"] = entry_n
                 for r in [int(x) for x in args.rows.split(",")]:
                     groups = budget_groups(lengths, args.budget, r)
                     times = []
@@ -233,6 +240,7 @@ def main() -> int:
         print(f"{v}: {json.dumps(entry)}", flush=True)
         save()
     uncompile(clf.model)
+    remove_fused(clf.model)
     return 0
 
 

@@ -1,0 +1,428 @@
+"""Fused Triton kernels for the embedded server's forward, used only where they give, on this
+GPU, bit for bit what the Transformers modules they replace give.
+
+Issue 14's profile of the padded FP16 forward (results_h200/embedded14): besides the matmuls and
+flash-linear-attention's kernels, about half of the device time is PyTorch's elementwise work
+between them: the norms upcast to float32 and write every intermediate (`x.float()`, `pow`,
+`mean`, `* rsqrt`, `* (1 + w)`, `.type_as`), the MLP writes `silu(gate)` before multiplying by
+`up`, and the GDN layers copy their QKV projection twice for the causal conv (a transposed
+layout) and three times after it (`reshape` of a transposed view). Each piece here does the same
+float32 arithmetic in the same order, with the same rounding to FP16 at the same points, in one
+pass over memory:
+
+  rms_norm    Qwen3_5RMSNorm: x*x in float32 (exact for FP16 inputs), PyTorch's own `mean` on it
+              (so the reduction order is PyTorch's), then one kernel for (x * rsqrt) * (1 + w).
+  gated_norm  Qwen3_5RMSNormGated: the same variance, then one kernel for the FP16 rounding,
+              the weight, silu(gate) and the product.
+  swiglu      Qwen3_5MLP: silu(gate) rounded to FP16, times up, rounded, in one kernel.
+  conv_silu   the GDN layers' depthwise causal conv1d + silu, read and written in the projection's
+              own [batch, length, channels] layout (fused multiply-adds in PyTorch's order), so
+              the q/k/v reshapes after it are views, not copies.
+
+silu is x / (1 + exp(-x)) in float32 as PyTorch's CUDA kernel computes it: libdevice's expf and
+a correctly rounded division (Triton's default `/` is an approximate division).
+
+No piece is trusted on its arithmetic argument alone: `apply_fused` runs each one against the
+module it replaces, on this device, on random inputs of several shapes, and uses only those that
+are bitwise equal (`torch.equal`); the others keep Transformers' code, with the reason logged and
+recorded. The matmuls, the GDN chunk kernel and attention are untouched. For the embedded server
+only: the reference scorer (app/score_reference.py) never calls this.
+
+OPENJEV_FUSED=auto (default) uses the pieces that pass their check on a CUDA device;
+OPENJEV_FUSED=off keeps every module as Transformers wrote it. Needs Triton (the GPU extra);
+with TRITON_INTERPRET=1 the kernels also run on a CPU (tests/test_fused.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+from _common import UserError
+
+log = logging.getLogger("openjev.fused")
+
+FUSED_ENV = "OPENJEV_FUSED"
+FUSED_MODES = ("auto", "off")
+PIECES = ("rms_norm", "gated_norm", "swiglu", "conv_silu")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+try:  # Triton is the GPU extra's; without it every piece stays Transformers' code
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+except ImportError as exc:  # noqa: F841 - the reason is reported by apply_fused
+    triton = None
+    _TRITON_ERROR = f"{type(exc).__name__}: {exc}"
+else:
+    _TRITON_ERROR = None
+
+
+def fused_mode(mode: str | None = None) -> str:
+    mode = mode or os.environ.get(FUSED_ENV) or "auto"
+    if mode not in FUSED_MODES:
+        raise UserError(f"{FUSED_ENV}={mode!r}: expected one of {', '.join(FUSED_MODES)}")
+    return mode
+
+
+BLOCK = 1024
+
+if triton is not None:
+
+    _LIBDEVICE = tl.constexpr(not INTERPRET)  # Triton's interpreter has no libdevice
+
+    @triton.jit
+    def _silu_f32(x):
+        # PyTorch's CUDA silu: x / (1 + exp(-x)) in float32 (IEEE division, accurate expf)
+        if _LIBDEVICE:
+            e = libdevice.exp(-x)
+        else:
+            e = tl.exp(-x)
+        return tl.math.div_rn(x, 1.0 + e)
+
+    @triton.jit
+    def _square_kernel(X, Y, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        x = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(Y + offs, x * x, mask=m)
+
+    @triton.jit
+    def _rms_apply_kernel(X, R, W1, Y, n, cols, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        x = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
+        r = tl.load(R + offs // cols, mask=m, other=0.0)
+        w1 = tl.load(W1 + offs % cols, mask=m, other=0.0)
+        tl.store(Y + offs, ((x * r) * w1).to(Y.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _gated_apply_kernel(X, R, Z, W, Y, n, cols, W_LOWP: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        x = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
+        r = tl.load(R + offs // cols, mask=m, other=0.0)
+        h = (x * r).to(Y.dtype.element_ty).to(tl.float32)  # hidden_states.to(input_dtype)
+        p = tl.load(W + offs % cols, mask=m, other=0.0).to(tl.float32) * h
+        if W_LOWP:  # weight * h in the input dtype rounds; a float32 weight promotes instead
+            p = p.to(Y.dtype.element_ty).to(tl.float32)
+        z = tl.load(Z + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(Y + offs, (p * _silu_f32(z)).to(Y.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _swiglu_kernel(G, U, Y, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        g = tl.load(G + offs, mask=m, other=0.0).to(tl.float32)
+        s = _silu_f32(g).to(Y.dtype.element_ty).to(tl.float32)
+        u = tl.load(U + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(Y + offs, (s * u).to(Y.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _conv_silu_kernel(X, W, Y, length, channels, K: tl.constexpr, BLOCK_C: tl.constexpr):
+        # one (row, position) per program along axis 0, BLOCK_C channels along axis 1;
+        # X and Y are [batch, length, channels] contiguous, W is [channels, K]
+        bt = tl.program_id(0).to(tl.int64)
+        t = bt % length
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cm = c < channels
+        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for k in tl.static_range(K):
+            back = K - 1 - k  # input position t - back, as PyTorch's kernel walks the taps
+            ok = cm & (t >= back)
+            x = tl.load(X + (bt - back) * channels + c, mask=ok, other=0.0).to(tl.float32)
+            w = tl.load(W + c * K + k, mask=cm, other=0.0).to(tl.float32)
+            acc = tl.fma(w, x, acc)
+        y = acc.to(Y.dtype.element_ty).to(tl.float32)  # the conv's output tensor, then silu on it
+        tl.store(Y + bt * channels + c, _silu_f32(y).to(Y.dtype.element_ty), mask=cm)
+
+
+def _grid(n: int):
+    return (triton.cdiv(n, BLOCK),)
+
+
+def square_f32(x):
+    import torch
+
+    y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    _square_kernel[_grid(x.numel())](x, y, x.numel(), BLOCK=BLOCK)
+    return y
+
+
+def rms_apply(x, r, w1):
+    import torch
+
+    y = torch.empty_like(x)
+    _rms_apply_kernel[_grid(x.numel())](x, r, w1, y, x.numel(), x.shape[-1], BLOCK=BLOCK)
+    return y
+
+
+def gated_apply(x, r, z, w):
+    import torch
+
+    y = torch.empty_like(x)
+    _gated_apply_kernel[_grid(x.numel())](x, r, z, w, y, x.numel(), x.shape[-1],
+                                          W_LOWP=w.dtype == x.dtype, BLOCK=BLOCK)
+    return y
+
+
+def swiglu(g, u):
+    import torch
+
+    y = torch.empty_like(g)
+    _swiglu_kernel[_grid(g.numel())](g, u, y, g.numel(), BLOCK=BLOCK)
+    return y
+
+
+def conv_silu_blc(x, w):
+    """x [B, L, C] contiguous, w [C, K] -> silu(causal depthwise conv) as [B, L, C]."""
+    import torch
+
+    b, length, channels = x.shape
+    y = torch.empty_like(x)
+    block_c = 256
+    _conv_silu_kernel[(b * length, triton.cdiv(channels, block_c))](
+        x, w.contiguous(), y, length, channels, K=w.shape[-1], BLOCK_C=block_c)
+    return y
+
+
+# ---------------------------------------------------------------- module forwards
+def _lowp(x) -> bool:
+    import torch
+
+    return x.dtype in (torch.float16, torch.bfloat16) and (x.is_cuda or INTERPRET) and x.is_contiguous()
+
+
+def rms_norm_forward(m, x):
+    """Qwen3_5RMSNorm.forward, fused; other inputs go to Transformers' code."""
+    import torch
+
+    if not _lowp(x):
+        return type(m).forward(m, x)
+    r = torch.rsqrt(square_f32(x).mean(-1, keepdim=True) + m.eps)
+    w1 = m.__dict__.get("_openjev_w1")
+    if w1 is None or w1.device != x.device:
+        w1 = 1.0 + m.weight.float()
+        m.__dict__["_openjev_w1"] = w1
+    return rms_apply(x, r, w1)
+
+
+def gated_norm_forward(m, hidden_states, gate):
+    """Qwen3_5RMSNormGated.forward (silu gate), fused."""
+    import torch
+
+    w = m.weight
+    if not (_lowp(hidden_states) and gate.dtype == hidden_states.dtype and gate.shape == hidden_states.shape
+            and gate.is_contiguous() and w.dtype in (hidden_states.dtype, torch.float32)
+            and getattr(m, "activation", "silu") == "silu"):
+        return type(m).forward(m, hidden_states, gate)
+    r = torch.rsqrt(square_f32(hidden_states).mean(-1, keepdim=True) + m.variance_epsilon)
+    return gated_apply(hidden_states, r, gate, w)
+
+
+def swiglu_forward(m, x):
+    """Qwen3_5MLP.forward with silu: down_proj(silu(gate_proj(x)) * up_proj(x)), the middle fused."""
+    g, u = m.gate_proj(x), m.up_proj(x)
+    if not (_lowp(g) and u.dtype == g.dtype and u.is_contiguous() and _is_silu(m.act_fn)):
+        return m.down_proj(m.act_fn(g) * u)
+    return m.down_proj(swiglu(g, u))
+
+
+_CONV_WEIGHTS: set[int] = set()  # data_ptr of the conv weights whose module passed its check
+
+
+def make_conv_wrapper(original):
+    """A stand-in for the modeling module's causal_conv1d_fn: fused for the registered GDN conv
+    weights when the input is the transposed view of a contiguous [B, L, C] projection (as the
+    GDN forward passes it), Transformers' function otherwise. Returns [B, C, L] as a transposed
+    view of a contiguous [B, L, C] tensor, so the GDN forward's transpose back is contiguous."""
+
+    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+        blc = hidden_states.transpose(1, 2)
+        if (weight.data_ptr() in _CONV_WEIGHTS and bias is None and activation == "silu"
+                and hidden_states.dim() == 3 and blc.is_contiguous() and _lowp(blc)
+                and weight.dtype == hidden_states.dtype):
+            return conv_silu_blc(blc, weight).transpose(1, 2)
+        return original(hidden_states, weight, bias, activation=activation, **kwargs)
+
+    causal_conv1d_fn.__wrapped__ = original
+    causal_conv1d_fn._openjev_fused = True
+    return causal_conv1d_fn
+
+
+# ---------------------------------------------------------------- checks and patching
+CHECK_SHAPES = ((1, 37), (3, 129), (2, 300))  # (rows, length) of the random inputs
+
+
+def _first(model, suffix: str):
+    return next((m for m in model.modules() if type(m).__name__.endswith(suffix) and "Vision" not in type(m).__name__), None)
+
+
+def _is_silu(act) -> bool:
+    """nn.SiLU or Transformers' SiLUActivation (both call F.silu)."""
+    import torch.nn as nn
+
+    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
+def _equal_on(fn_a, fn_b, inputs) -> tuple[bool, float]:
+    """Whether two callables give bitwise equal outputs on every input tuple; the largest
+    absolute difference seen (0.0 when equal)."""
+    import torch
+
+    worst = 0.0
+    same = True
+    for args in inputs:
+        a, b = fn_a(*args), fn_b(*args)
+        if not torch.equal(a, b):
+            same = False
+            worst = max(worst, float((a.float() - b.float()).abs().max()))
+    return same, worst
+
+
+def _check_piece(piece: str, model, modeling, device, dtype) -> dict:
+    import torch
+
+    gen = torch.Generator(device="cpu").manual_seed(14)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+    if piece == "rms_norm":
+        m = _first(model, "RMSNorm")
+        if m is None:
+            return {"used": False, "reason": "no RMSNorm module"}
+        h = m.weight.shape[0]
+        ins = [(rnd(b, t, h, scale=3.0),) for b, t in CHECK_SHAPES]
+        same, worst = _equal_on(lambda x: type(m).forward(m, x), lambda x: rms_norm_forward(m, x), ins)
+    elif piece == "gated_norm":
+        m = _first(model, "RMSNormGated")
+        if m is None:
+            return {"used": False, "reason": "no RMSNormGated module"}
+        h = m.weight.shape[0]
+        ins = [(rnd(b * t * 4, h), rnd(b * t * 4, h, scale=2.0)) for b, t in CHECK_SHAPES]
+        same, worst = _equal_on(lambda x, z: type(m).forward(m, x, z), lambda x, z: gated_norm_forward(m, x, z), ins)
+    elif piece == "swiglu":
+        m = _first(model, "MLP")
+        if m is None or not _is_silu(getattr(m, "act_fn", None)):
+            return {"used": False, "reason": "no MLP module with a silu activation"}
+        h = m.gate_proj.in_features
+        ins = [(rnd(b, t, h),) for b, t in CHECK_SHAPES]
+        same, worst = _equal_on(lambda x: type(m).forward(m, x), lambda x: swiglu_forward(m, x), ins)
+    elif piece == "conv_silu":
+        m = _first(model, "GatedDeltaNet")
+        original = getattr(modeling, "causal_conv1d_fn", None)
+        if m is None or original is None:
+            return {"used": False, "reason": "no GatedDeltaNet module or no causal_conv1d_fn in its module"}
+        original = getattr(original, "__wrapped__", original) if getattr(original, "_openjev_fused", False) else original
+        w = m.conv1d.weight.squeeze(1)
+        ins = [(rnd(b, t, w.shape[0], scale=2.0).transpose(1, 2),) for b, t in CHECK_SHAPES]
+        wrapper = make_conv_wrapper(original)
+        _CONV_WEIGHTS.add(w.data_ptr())
+        try:
+            same, worst = _equal_on(lambda x: original(x, w, None, activation="silu"),
+                                    lambda x: wrapper(x, w, None, activation="silu"), ins)
+        finally:
+            _CONV_WEIGHTS.discard(w.data_ptr())
+    else:
+        raise ValueError(piece)
+    out = {"used": same, "bitwise_on_check": same, "check_shapes": [list(s) for s in CHECK_SHAPES]}
+    if not same:
+        out["reason"] = f"not bitwise equal to Transformers' module on this device (max abs diff {worst:.3g})"
+        out["max_abs_diff"] = worst
+    return out
+
+
+def apply_fused(model, device: str, mode: str | None = None) -> dict:
+    """Check every piece on this device and install the ones that are bitwise equal; returns the
+    record kept in kernel_path["fused"]."""
+    import torch
+
+    mode = fused_mode(mode)
+    record: dict = {"requested": mode, "pieces": {}, "triton": getattr(triton, "__version__", None),
+                    "interpret": INTERPRET}
+    if mode == "off":
+        record["reason"] = f"{FUSED_ENV}=off"
+        return _remember(model, record)
+    if not (str(device).startswith("cuda") or INTERPRET):
+        record["reason"] = f"device {device}: Triton GPU kernels (TRITON_INTERPRET=1 runs them on a CPU, for tests)"
+        return _remember(model, record)
+    if triton is None:
+        record["reason"] = f"Triton not importable ({_TRITON_ERROR})"
+        log.warning("fused kernels: none (%s)", record["reason"])
+        return _remember(model, record)
+    gdn = _first(model, "GatedDeltaNet")
+    modeling = sys.modules.get(type(gdn).__module__) if gdn is not None else None
+    dtype = next(model.parameters()).dtype
+    if dtype not in (torch.float16, torch.bfloat16):
+        record["reason"] = f"model dtype {dtype}: the pieces round to FP16/BF16 as the half-precision forward does"
+        return _remember(model, record)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for piece in PIECES:
+            try:
+                record["pieces"][piece] = _check_piece(piece, model, modeling, device, dtype)
+            except Exception as exc:  # noqa: BLE001 - a kernel that does not compile or run here
+                record["pieces"][piece] = {"used": False, "reason": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+    record["check_seconds"] = round(time.perf_counter() - t0, 3)
+    counts = _install(model, modeling, {p for p, r in record["pieces"].items() if r["used"]})
+    for piece, n in counts.items():
+        record["pieces"][piece]["modules"] = n
+    used = [p for p in PIECES if record["pieces"][p]["used"]]
+    record["reason"] = (f"{len(used)} of {len(PIECES)} pieces bitwise equal to Transformers' modules on {device}: "
+                        f"{', '.join(used) or 'none'}")
+    for p in PIECES:
+        if not record["pieces"][p]["used"]:
+            log.warning("fused %s not used: %s", p, record["pieces"][p]["reason"])
+    log.info("fused kernels: %s", record["reason"])
+    return _remember(model, record)
+
+
+def _remember(model, record: dict) -> dict:
+    model._openjev_fused = record
+    return record
+
+
+def _install(model, modeling, pieces: set[str]) -> dict:
+    import functools
+
+    counts = {p: 0 for p in pieces}
+    for m in model.modules():
+        name = type(m).__name__
+        if "Vision" in name:
+            continue
+        if "rms_norm" in pieces and name.endswith("RMSNorm"):
+            m.forward = functools.partial(rms_norm_forward, m)
+            counts["rms_norm"] += 1
+        elif "gated_norm" in pieces and name.endswith("RMSNormGated"):
+            m.forward = functools.partial(gated_norm_forward, m)
+            counts["gated_norm"] += 1
+        elif "swiglu" in pieces and name.endswith("MLP") and hasattr(m, "gate_proj"):
+            m.forward = functools.partial(swiglu_forward, m)
+            counts["swiglu"] += 1
+        elif "conv_silu" in pieces and name.endswith("GatedDeltaNet"):
+            _CONV_WEIGHTS.add(m.conv1d.weight.data_ptr())
+            counts["conv_silu"] += 1
+    if "conv_silu" in pieces and modeling is not None:
+        current = modeling.causal_conv1d_fn
+        if not getattr(current, "_openjev_fused", False):
+            modeling.causal_conv1d_fn = make_conv_wrapper(current)
+    return counts
+
+
+def fused_record(model) -> dict | None:
+    return getattr(model, "_openjev_fused", None)
+
+
+def remove_fused(model) -> None:
+    """Give every module back Transformers' forward (benchmarks compare both in one process)."""
+    for m in model.modules():
+        fwd = m.__dict__.get("forward")
+        if getattr(fwd, "func", None) in (rms_norm_forward, gated_norm_forward, swiglu_forward):
+            del m.forward
+        conv = getattr(m, "conv1d", None)
+        if conv is not None:
+            _CONV_WEIGHTS.discard(conv.weight.data_ptr())
+    model.__dict__.pop("_openjev_fused", None)
