@@ -253,22 +253,32 @@ def padded_rows(lengths: list[int]):
         _ROW_LENGTHS.reset(token)
 
 
-def score_padded(clf: Classifier, rows: list[list[int]]) -> np.ndarray:
-    """Rows right-padded into one forward with an attention mask -> float32 [n, 3]
-    (use_cache=False as in score_exact; attention row by row, see rowwise_attention)."""
+def padded_logits(clf: Classifier, rows: list[list[int]]):
+    """Launch one right-padded forward of `rows` and return its logits left on the device
+    ([n, 3], the model's dtype), so a caller can queue several forwards before one host copy.
+    The ids and mask reach a GPU from pinned memory without a stream sync (a copy from pageable
+    memory would wait for the forwards already queued)."""
     import torch
 
-    if clf.pad_token_id is None:  # Transformers cannot pool a padded batch without a pad id
-        return score_exact(clf, rows)
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), clf.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, row in enumerate(rows):
         ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
         mask[i, : len(row)] = 1
+    gpu = str(clf.device).startswith("cuda")
+    if gpu:
+        ids, mask = ids.pin_memory(), mask.pin_memory()
     with torch.inference_mode(), padded_rows([len(r) for r in rows]):
-        logits = _forward(clf, ids.to(clf.device), mask.to(clf.device))
-    return logits.float().cpu().numpy().astype(np.float32, copy=False)
+        return _forward(clf, ids.to(clf.device, non_blocking=gpu), mask.to(clf.device, non_blocking=gpu))
+
+
+def score_padded(clf: Classifier, rows: list[list[int]]) -> np.ndarray:
+    """Rows right-padded into one forward with an attention mask -> float32 [n, 3]
+    (use_cache=False as in score_exact; attention row by row, see rowwise_attention)."""
+    if clf.pad_token_id is None:  # Transformers cannot pool a padded batch without a pad id
+        return score_exact(clf, rows)
+    return padded_logits(clf, rows).float().cpu().numpy().astype(np.float32, copy=False)
 
 
 def weight_files(path: Path) -> list[dict]:

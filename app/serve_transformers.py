@@ -292,20 +292,27 @@ class Engine:
     def _run_step(self, picked: list[tuple[Job, int]]) -> None:
         import numpy as np
 
-        from _classifier import score_exact, score_padded
+        from _classifier import padded_logits, score_exact
 
         rows = [job.rows[i] for job, i in picked]
         t0 = time.perf_counter()
         try:
             logits = np.empty((len(rows), 3), dtype=np.float32)
+            queued = []  # padded forwards of this step, their logits still on the device
             for idx in length_groups([len(r) for r in rows], self.args.max_running_requests):
                 group = [rows[i] for i in idx]
-                if self.batching == "exact":
+                if self.batching == "exact" or self.clf.pad_token_id is None:
                     logits[idx] = score_exact(self.clf, group)
                     self.counters.forward_passes += len(group)
-                else:  # similar lengths together keep padding small
-                    logits[idx] = score_padded(self.clf, group)
+                else:  # similar lengths together keep padding small; one host copy per step
+                    queued.append((idx, padded_logits(self.clf, group)))
                     self.counters.forward_passes += 1
+            if queued:
+                import torch
+
+                with torch.inference_mode():
+                    host = torch.cat([t for _, t in queued]).float().cpu().numpy()
+                logits[[i for idx, _ in queued for i in idx]] = host
         except Exception as exc:  # noqa: BLE001 - every request of the failed step gets the error
             log.exception("forward failed")
             with self._cv:
@@ -750,6 +757,10 @@ def main() -> int:
         raise UserError("--watchdog-seconds and --torch-threads must not be negative")
     if not (args.checkpoint / "config.json").is_file():
         raise UserError(f"{args.checkpoint} is not a model directory (no config.json)")
+    from _fused import fused_mode
+    from _kernels import kernel_mode
+
+    kernel_mode(), fused_mode()  # a typo in OPENJEV_KERNELS / OPENJEV_FUSED fails here, before the port
     sock = bind_listen_socket(args.host, args.port)  # refuse a busy port before anything slow happens
     allocator = release_large_allocations_to_the_os()
 

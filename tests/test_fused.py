@@ -1,0 +1,173 @@
+"""app/_fused.py: the embedded server's fused kernels are used only where they are bitwise
+Transformers' modules, and a model with them gives the same logits.
+
+On a CPU the Triton kernels run under Triton's interpreter (TRITON_INTERPRET=1, numpy), in a
+subprocess of their own because the interpreter is chosen when the kernels are defined. The
+interpreter's exp is numpy's, not libdevice's, so pieces with a silu may fail their check here:
+the test then sees the refusal path. On a GPU (the H200, results_h200/embedded14/call11-fused)
+all four pieces passed and the fused padded forward was bitwise the exact reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "app"))
+
+triton_missing = None
+try:
+    import triton  # noqa: F401
+except ImportError as exc:
+    triton_missing = f"triton not importable ({exc}): it is the GPU extra; requirements.txt pins it for these tests"
+
+
+def run_py(code: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=f"{REPO / 'app'}:{REPO}", **(env_extra or {}))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+
+
+FUSE_ON_CPU = r"""
+import json, sys
+import numpy as np, torch
+from _classifier import load_classifier, score_exact, score_padded
+import _fused
+clf = load_classifier(sys.argv[1], device="cpu", dtype="float16")
+rows = [[(7 * i + 3 * j) % clf.vocab_size for i in range(n)] for j, n in enumerate([5, 40, 77, 12])]
+before = (score_exact(clf, rows), score_padded(clf, rows))
+rec = _fused.apply_fused(clf.model, "cpu")
+after = (score_exact(clf, rows), score_padded(clf, rows))
+installed = sorted({type(m).__name__ for m in clf.model.modules() if "forward" in m.__dict__})
+conv = getattr(sys.modules[type(next(m for m in clf.model.modules() if type(m).__name__.endswith("GatedDeltaNet"))).__module__],
+               "causal_conv1d_fn")
+wrong = None
+if rec["pieces"]["rms_norm"]["used"]:  # a kernel one ulp off must be refused by the check
+    _fused.remove_fused(clf.model)
+    good = _fused.rms_apply
+    _fused.rms_apply = lambda x, r, w1: torch.nextafter(good(x, r, w1), torch.tensor(float("inf"), dtype=x.dtype))
+    wrong = _fused.apply_fused(clf.model, "cpu")["pieces"]["rms_norm"]
+print(json.dumps({"record": rec, "exact_equal": bool(np.array_equal(before[0], after[0])),
+                  "padded_equal": bool(np.array_equal(before[1], after[1])), "installed": installed,
+                  "conv_wrapped": bool(getattr(conv, "_openjev_fused", False)), "wrong": wrong}))
+"""
+
+
+@pytest.mark.skipif(triton_missing is not None, reason=triton_missing or "")
+def test_pieces_are_used_only_where_bitwise_and_keep_the_logits(tiny_model):
+    proc = run_py(FUSE_ON_CPU.replace("sys.argv[1]", repr(str(tiny_model["checkpoint"]))),
+                  {"TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    rec = out["record"]
+    assert rec["requested"] == "auto" and rec["interpret"] is True and set(rec["pieces"]) == {
+        "rms_norm", "gated_norm", "swiglu", "conv_silu"}
+    for piece, r in rec["pieces"].items():
+        assert r["used"] == r.get("bitwise_on_check", False), (piece, r)
+        if not r["used"]:
+            assert "not bitwise equal" in r["reason"] and r["max_abs_diff"] > 0, (piece, r)
+    # the norms' arithmetic is multiplications only: bitwise on any device, so it must be used here
+    assert rec["pieces"]["rms_norm"]["used"] and rec["pieces"]["rms_norm"]["modules"] > 0
+    assert "Qwen3_5RMSNorm" in out["installed"]
+    assert out["conv_wrapped"] == rec["pieces"]["conv_silu"]["used"]
+    assert out["exact_equal"] and out["padded_equal"], "a model with the used pieces changed its logits"
+    assert out["wrong"]["used"] is False and "not bitwise equal" in out["wrong"]["reason"]
+
+
+@pytest.mark.skipif(triton_missing is not None, reason=triton_missing or "")
+def test_each_kernel_matches_its_float32_recipe():
+    """Kernel by kernel under the interpreter against the same arithmetic written with torch ops
+    (numpy's exp for silu, as the interpreter uses): bitwise."""
+    code = r"""
+import numpy as np, torch
+import _fused
+g = torch.Generator().manual_seed(1)
+def silu(x):
+    x = x.numpy()
+    return torch.from_numpy(x / (np.float32(1) + np.exp(-x)))
+x = (torch.randn(3, 50, 96, generator=g) * 3).half()
+r = torch.rsqrt(_fused.square_f32(x).mean(-1, keepdim=True) + 1e-6)
+assert torch.equal(_fused.square_f32(x), x.float().pow(2))
+w1 = 1.0 + torch.randn(96, generator=g)
+assert torch.equal(_fused.rms_apply(x, r, w1), ((x.float() * r) * w1).half())
+z = (torch.randn(3, 50, 96, generator=g) * 2).half()
+w = torch.randn(96, generator=g).half()
+want = ((w * (x.float() * r).half()).float() * silu(z.float())).half()
+assert torch.equal(_fused.gated_apply(x, r, z, w), want)
+u = torch.randn(3, 50, 96, generator=g).half()
+assert torch.equal(_fused.swiglu(z, u), (silu(z.float()).half().float() * u.float()).half())
+cw = torch.randn(96, 4, generator=g).half()
+conv = torch.nn.functional.conv1d(x.transpose(1, 2).float(), cw.float().unsqueeze(1), padding=3, groups=96)[:, :, :50]
+got = _fused.conv_silu_blc(x.contiguous(), cw)
+want = silu(conv.transpose(1, 2).half().float()).half()
+assert (got.float() - want.float()).abs().max() <= 2e-3 * want.float().abs().max(), "conv+silu off"
+print("ok")
+"""
+    proc = run_py(code, {"TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_off_and_unknown_modes(tiny_model):
+    code = r"""
+import json, sys
+from _classifier import load_classifier
+import _fused
+from _common import UserError
+clf = load_classifier(sys.argv[1], device="cpu", dtype="float16")
+off = _fused.apply_fused(clf.model, "cpu", "off")
+cpu = _fused.apply_fused(clf.model, "cpu")
+try:
+    _fused.fused_mode("fast")
+    bad = None
+except UserError as exc:
+    bad = str(exc)
+print(json.dumps({"off": off, "cpu": cpu, "bad": bad,
+                  "installed": [type(m).__name__ for m in clf.model.modules() if "forward" in m.__dict__]}))
+""".replace("sys.argv[1]", repr(str(tiny_model["checkpoint"])))
+    proc = run_py(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["off"]["reason"] == "OPENJEV_FUSED=off" and out["off"]["pieces"] == {}
+    assert out["cpu"]["reason"].startswith("device cpu") and out["installed"] == []
+    assert "OPENJEV_FUSED='fast'" in out["bad"] and "auto, off" in out["bad"]
+
+
+def test_server_refuses_an_unknown_fused_mode(overlay, tmp_path):
+    """A typo in OPENJEV_FUSED fails the load with one clear line instead of serving unfused."""
+    from conftest import free_port
+
+    port = free_port()
+    proc = subprocess.run([sys.executable, str(REPO / "app" / "serve_transformers.py"), str(overlay), str(port)],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OPENJEV_FUSED="fast"))
+    assert proc.returncode != 0
+    assert "OPENJEV_FUSED='fast': expected one of auto, off" in proc.stderr
+
+
+@pytest.mark.gpu
+def test_fused_padded_forwards_on_a_gpu_are_bitwise_the_reference(overlay, sample_tokens, tmp_path):
+    """On a GPU every piece passes its check and the fused padded forwards give the exact
+    reference's bits (benchmarks/gpu_variants14.py in a subprocess, so this process keeps its
+    CPU kernel binding)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: the fused pieces are Triton GPU kernels; measured on an H200: "
+                    "results_h200/embedded14/call11-fused")
+    if triton_missing:
+        pytest.skip(triton_missing)
+    out = tmp_path / "v"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_variants14.py"), "--model", str(overlay),
+                           "--tokens", str(sample_tokens), "--out", str(out), "--device", "cuda", "--rows", "8",
+                           "--repeats", "1", "--variants", "exact_async,padded_fused"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    v = json.loads((out / "variants.json").read_text())["variants"]
+    fused = v["padded_fused"]["fused"]
+    assert all(p["used"] for p in fused["pieces"].values()), fused
+    assert v["padded_fused"]["rows8"]["bitwise_equal"], v["padded_fused"]
+    assert np.load(out / "exact_baseline.npy").shape[1] == 3
