@@ -135,6 +135,35 @@ def batch_invariant_blas() -> dict:
 
 _BLAS = batch_invariant_blas()
 
+AUTOTUNE_CACHE_ENV = "TRITON_CACHE_AUTOTUNING"
+
+
+def shared_autotuning() -> dict:
+    """Keep Triton's autotuning choices on disk (TRITON_CACHE_AUTOTUNING=1) unless the operator
+    chose otherwise, so every process of this machine runs the same fla kernel configurations.
+
+    flash-linear-attention autotunes its kernels by timing (block sizes, dot precision, warps),
+    and a different choice changes the last bits. Measured on the H200
+    (results_h200/embedded14/call12-autotune): the reference scorer and two server processes of
+    one machine, each tuning for itself, gave logits that differed in every row (the server vs
+    the reference: max |dp_e| 0.00226); in call 11 they happened to choose alike (0). With the
+    choices cached, the first process to tune a kernel (its key: head counts and dims, not the
+    sequence length) writes them under Triton's cache directory (TRITON_CACHE_DIR, default
+    ~/.triton/cache) and the others read them. Triton reads the variable when fla defines its
+    kernels, so this runs when app/_kernels.py is imported, before fla is."""
+    chosen = os.environ.get(AUTOTUNE_CACHE_ENV)
+    if chosen is not None:
+        return {"triton_cache_autotuning": chosen, "set_by": "environment"}
+    os.environ[AUTOTUNE_CACHE_ENV] = "1"
+    out = {"triton_cache_autotuning": "1", "set_by": "openjev",
+           "reason": "fla's autotuned configurations shared by every process (same kernels, same bits)"}
+    if "fla" in sys.modules:
+        out["warning"] = "fla was imported before app/_kernels.py: its autotuners may not cache"
+    return out
+
+
+_AUTOTUNE = shared_autotuning()
+
 
 def configure_backends(device: str) -> dict:
     """PyTorch backend switches for varying sequence lengths on a GPU (the model code is untouched).
@@ -147,16 +176,16 @@ def configure_backends(device: str) -> dict:
     plans per shape. OPENJEV_CUDNN=1 keeps cuDNN."""
     import torch
 
-    blas = dict(_BLAS)
+    blas, autotune = dict(_BLAS), dict(_AUTOTUNE)
     if not device.startswith("cuda") or os.environ.get("OPENJEV_CUDNN") == "1":
-        return {"cudnn": bool(torch.backends.cudnn.enabled), "changed": False, "blas": blas}
+        return {"cudnn": bool(torch.backends.cudnn.enabled), "changed": False, "blas": blas, "autotune": autotune}
     # SDPA then runs FlashAttention for unpadded rows and the memory-efficient kernel for padded
     # batches (a mask). Forcing memory-efficient for both was measured worse on the H200 (reference
     # 12.7 instead of 17.5 rows/s, padded-vs-exact max |dp_e| 0.0027 instead of 0.0024).
     torch.backends.cudnn.enabled = False
     torch.backends.cuda.enable_cudnn_sdp(False)
     log.info("cuDNN disabled for conv1d and SDPA (per-length plan building); OPENJEV_CUDNN=1 keeps PyTorch's defaults")
-    return {"cudnn": False, "changed": True, "blas": blas,
+    return {"cudnn": False, "changed": True, "blas": blas, "autotune": autotune,
             "reason": "cuDNN plans per new sequence length (conv1d 5.7 ms, SDPA 4.8 ms of CPU per call on an H200)"}
 
 
@@ -239,6 +268,8 @@ def kernel_path(model) -> dict:
     info["torch"] = torch.__version__
     info["cudnn_enabled"] = bool(torch.backends.cudnn.enabled)
     info["cublas_workspace_config"] = os.environ.get(BLAS_WORKSPACE_ENV)
+    info["triton_cache_autotuning"] = os.environ.get(AUTOTUNE_CACHE_ENV)
+    info["triton_cache_dir"] = os.environ.get("TRITON_CACHE_DIR") or "~/.triton/cache (Triton's default)"
     from _classifier import padded_attention_mode
 
     info["padded_attention"] = padded_attention_mode()

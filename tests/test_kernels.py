@@ -142,3 +142,24 @@ def test_server_reports_kernel_path_and_warmup(server):
     info = requests.get(f"{server.url}/server_info", timeout=10).json()
     assert info["kernel_path"]["gdn"] == "torch-fallback" and info["kernel_path"]["attn_implementation"]
     assert info["warmup"]["forwards"] >= 2 and "skipped" in info["warmup"]["fla_shapes"]
+
+
+def test_triton_autotuning_is_cached_unless_the_operator_chose(overlay):
+    """fla autotunes by timing and a different choice changes the last bits (the reference and the
+    server of one H200 differed in every row, results_h200/embedded14/call12-autotune); importing
+    _kernels turns Triton's on-disk autotuning cache on, before fla is imported, so the processes
+    of a machine share the choices. An operator's TRITON_CACHE_AUTOTUNING is kept and recorded."""
+    code = ("import json, os; import _kernels; from _classifier import load_classifier; "
+            f"k = load_classifier({str(overlay)!r}, 'cpu').kernels; "
+            "print(json.dumps([os.environ['TRITON_CACHE_AUTOTUNING'], k['triton_cache_autotuning'], "
+            "k['selection']['backends']['autotune']]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_AUTOTUNING"}
+    env["PYTHONPATH"] = f"{REPO / 'app'}:{REPO}"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    env_value, recorded, tune = json.loads(proc.stdout.splitlines()[-1])
+    assert env_value == recorded == "1" and tune["set_by"] == "openjev" and "same bits" in tune["reason"]
+    proc = run_py(code, {"TRITON_CACHE_AUTOTUNING": "0"})
+    assert proc.returncode == 0, proc.stderr
+    env_value, recorded, tune = json.loads(proc.stdout.splitlines()[-1])
+    assert env_value == recorded == "0" and tune == {"triton_cache_autotuning": "0", "set_by": "environment"}
