@@ -48,25 +48,35 @@ def test_cpu_load_reports_the_fallback_and_its_reason(overlay):
     assert kp["cublas_workspace_config"] == ":0:0" and kp["padded_attention"] == "rowwise"
 
 
-def test_cublas_workspace_is_set_once_and_an_operators_choice_kept(overlay):
-    """Without a workspace cuBLAS cannot split K, which keeps a GEMM's rows independent of the row
-    count (padded == exact on a GPU). The variable must be set before torch's first cuBLAS call,
-    so importing _kernels sets it; an operator's CUBLAS_WORKSPACE_CONFIG is kept and recorded."""
+# (variable, what importing _kernels sets, an operator's value, kernel_path key, selection.backends key,
+#  words of the reason). CUBLAS_WORKSPACE_CONFIG: without a workspace cuBLAS cannot split K, which keeps
+# a GEMM's rows independent of the row count (padded == exact on a GPU); torch reads it at its first
+# cuBLAS call. TRITON_CACHE_AUTOTUNING: fla autotunes by timing and a different pick changes the last
+# bits (the reference and the server of one H200 differed in every row,
+# results_h200/embedded14/call12-autotune); Triton reads it when fla defines its kernels.
+SET_AT_IMPORT = [
+    ("CUBLAS_WORKSPACE_CONFIG", ":0:0", ":4096:8", "cublas_workspace_config", "blas", "split-K"),
+    ("TRITON_CACHE_AUTOTUNING", "1", "0", "triton_cache_autotuning", "autotune", "same bits"),
+]
+
+
+@pytest.mark.parametrize("var,ours,theirs,key,backend,words", SET_AT_IMPORT, ids=[v[0] for v in SET_AT_IMPORT])
+def test_set_at_import_unless_the_operator_chose(overlay, var, ours, theirs, key, backend, words):
+    """Importing _kernels sets the variable before torch or fla can read it; an operator's value is
+    kept; both are recorded in kernel_path and in the selection's backends."""
     code = ("import json, os; import _kernels; from _classifier import load_classifier; "
             f"k = load_classifier({str(overlay)!r}, 'cpu').kernels; "
-            "print(json.dumps([os.environ['CUBLAS_WORKSPACE_CONFIG'], k['cublas_workspace_config'], "
-            "k['selection']['backends']['blas']]))")
-    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+            f"print(json.dumps([os.environ[{var!r}], k[{key!r}], k['selection']['backends'][{backend!r}]]))")
+    env = {k: v for k, v in os.environ.items() if k != var}
     env["PYTHONPATH"] = f"{REPO / 'app'}:{REPO}"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    env_value, recorded, blas = json.loads(proc.stdout.splitlines()[-1])
-    assert env_value == recorded == ":0:0" and blas["set_by"] == "openjev" and "split-K" in blas["reason"]
-    proc = run_py(code, {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
+    env_value, recorded, record = json.loads(proc.stdout.splitlines()[-1])
+    assert env_value == recorded == ours and record["set_by"] == "openjev" and words in record["reason"]
+    proc = run_py(code, {var: theirs})
     assert proc.returncode == 0, proc.stderr
-    env_value, recorded, blas = json.loads(proc.stdout.splitlines()[-1])
-    assert env_value == recorded == ":4096:8" and blas == {"cublas_workspace_config": ":4096:8", "set_by": "environment"}
-
+    env_value, recorded, record = json.loads(proc.stdout.splitlines()[-1])
+    assert env_value == recorded == theirs and record == {key: theirs, "set_by": "environment"}
 
 def test_masked_padded_attention_is_recorded(overlay):
     proc = run_py(f"import json; from _classifier import load_classifier; "
@@ -142,24 +152,4 @@ def test_server_reports_kernel_path_and_warmup(server):
     info = requests.get(f"{server.url}/server_info", timeout=10).json()
     assert info["kernel_path"]["gdn"] == "torch-fallback" and info["kernel_path"]["attn_implementation"]
     assert info["warmup"]["forwards"] >= 2 and "skipped" in info["warmup"]["fla_shapes"]
-
-
-def test_triton_autotuning_is_cached_unless_the_operator_chose(overlay):
-    """fla autotunes by timing and a different choice changes the last bits (the reference and the
-    server of one H200 differed in every row, results_h200/embedded14/call12-autotune); importing
-    _kernels turns Triton's on-disk autotuning cache on, before fla is imported, so the processes
-    of a machine share the choices. An operator's TRITON_CACHE_AUTOTUNING is kept and recorded."""
-    code = ("import json, os; import _kernels; from _classifier import load_classifier; "
-            f"k = load_classifier({str(overlay)!r}, 'cpu').kernels; "
-            "print(json.dumps([os.environ['TRITON_CACHE_AUTOTUNING'], k['triton_cache_autotuning'], "
-            "k['selection']['backends']['autotune']]))")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_AUTOTUNING"}
-    env["PYTHONPATH"] = f"{REPO / 'app'}:{REPO}"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    env_value, recorded, tune = json.loads(proc.stdout.splitlines()[-1])
-    assert env_value == recorded == "1" and tune["set_by"] == "openjev" and "same bits" in tune["reason"]
-    proc = run_py(code, {"TRITON_CACHE_AUTOTUNING": "0"})
-    assert proc.returncode == 0, proc.stderr
-    env_value, recorded, tune = json.loads(proc.stdout.splitlines()[-1])
-    assert env_value == recorded == "0" and tune == {"triton_cache_autotuning": "0", "set_by": "environment"}
+    assert info["kernel_path"]["fused"]["reason"].startswith("device cpu")  # app/_fused.py: GPU only
