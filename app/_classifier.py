@@ -256,8 +256,8 @@ def padded_rows(lengths: list[int]):
 def padded_logits(clf: Classifier, rows: list[list[int]]):
     """Launch one right-padded forward of `rows` and return its logits left on the device
     ([n, 3], the model's dtype), so a caller can queue several forwards before one host copy.
-    The ids and mask reach a GPU from pinned memory without a stream sync (a copy from pageable
-    memory would wait for the forwards already queued)."""
+    On a GPU the ids and mask are copied from pinned memory with non_blocking=True: PyTorch's
+    default (blocking) copy synchronizes the stream, i.e. waits for the forwards already queued."""
     import torch
 
     width = max(len(r) for r in rows)

@@ -457,9 +457,9 @@ WARM_TOKENS_ENV = "OPENJEV_WARM_TOKENS"
 def prepare_serving(clf, batching: str, max_rows: int = 16, max_tokens: int | None = None) -> dict:
     """What the embedded server does after loading: on a GPU, the fused kernels of app/_fused.py
     where they are bitwise Transformers' modules (OPENJEV_FUSED=off keeps none) or, instead,
-    torch.compile of the norm/MLP modules (OPENJEV_COMPILE=1); fla autotune warm-up for forwards of up to `max_rows` rows and `max_tokens` padded
-    tokens (default $OPENJEV_WARM_TOKENS or 16384), then warm-up forwards; the kernel path is read
-    again afterwards."""
+    torch.compile of the norm/MLP modules (OPENJEV_COMPILE=1); fla autotune warm-up for forwards
+    of up to `max_rows` rows and `max_tokens` padded tokens (default $OPENJEV_WARM_TOKENS or
+    16384), then warm-up forwards; the kernel path is read again afterwards."""
     compiled = 0
     if os.environ.get("OPENJEV_COMPILE") == "1" and clf.device != "cpu":
         compiled = compile_pointwise(clf.model)
