@@ -253,11 +253,23 @@ def make_conv_wrapper(original):
 
 
 # ---------------------------------------------------------------- checks and patching
+# the pieces that replace a module's forward: class-name suffix, fused forward, an attribute the
+# module must have ("RMSNorm" does not match "RMSNormGated": the suffix is the name's end)
+MODULE_PIECES = {
+    "rms_norm": ("RMSNorm", rms_norm_forward, "weight"),
+    "gated_norm": ("RMSNormGated", gated_norm_forward, "weight"),
+    "swiglu": ("MLP", swiglu_forward, "gate_proj"),
+}
 CHECK_SHAPES = ((1, 37), (3, 129), (2, 300))  # (rows, length) of the random inputs
 
 
+def _text_modules(model, suffix: str):
+    """The model's modules whose class name ends with `suffix`, the vision tower's left out."""
+    return (m for m in model.modules() if type(m).__name__.endswith(suffix) and "Vision" not in type(m).__name__)
+
+
 def _first(model, suffix: str):
-    return next((m for m in model.modules() if type(m).__name__.endswith(suffix) and "Vision" not in type(m).__name__), None)
+    return next(_text_modules(model, suffix), None)
 
 
 def _is_silu(act) -> bool:
@@ -290,27 +302,19 @@ def _check_piece(piece: str, model, modeling, device, dtype) -> dict:
     def rnd(*shape, scale=1.0):
         return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
 
-    if piece == "rms_norm":
-        m = _first(model, "RMSNorm")
-        if m is None:
-            return {"used": False, "reason": "no RMSNorm module"}
-        h = m.weight.shape[0]
-        ins = [(rnd(b, t, h, scale=3.0),) for b, t in CHECK_SHAPES]
-        same, worst = _equal_on(lambda x: type(m).forward(m, x), lambda x: rms_norm_forward(m, x), ins)
-    elif piece == "gated_norm":
-        m = _first(model, "RMSNormGated")
-        if m is None:
-            return {"used": False, "reason": "no RMSNormGated module"}
-        h = m.weight.shape[0]
-        ins = [(rnd(b * t * 4, h), rnd(b * t * 4, h, scale=2.0)) for b, t in CHECK_SHAPES]
-        same, worst = _equal_on(lambda x, z: type(m).forward(m, x, z), lambda x, z: gated_norm_forward(m, x, z), ins)
-    elif piece == "swiglu":
-        m = _first(model, "MLP")
-        if m is None or not _is_silu(getattr(m, "act_fn", None)):
-            return {"used": False, "reason": "no MLP module with a silu activation"}
-        h = m.gate_proj.in_features
-        ins = [(rnd(b, t, h),) for b, t in CHECK_SHAPES]
-        same, worst = _equal_on(lambda x: type(m).forward(m, x), lambda x: swiglu_forward(m, x), ins)
+    if piece in MODULE_PIECES:
+        suffix, forward, _ = MODULE_PIECES[piece]
+        m = _first(model, suffix)
+        if m is None or (piece == "swiglu" and not _is_silu(getattr(m, "act_fn", None))):
+            return {"used": False, "reason": f"no {suffix} module" + (" with a silu activation" if piece == "swiglu" else "")}
+        if piece == "rms_norm":
+            ins = [(rnd(b, t, m.weight.shape[0], scale=3.0),) for b, t in CHECK_SHAPES]
+        elif piece == "gated_norm":
+            h = m.weight.shape[0]
+            ins = [(rnd(b * t * 4, h), rnd(b * t * 4, h, scale=2.0)) for b, t in CHECK_SHAPES]
+        else:
+            ins = [(rnd(b, t, m.gate_proj.in_features),) for b, t in CHECK_SHAPES]
+        same, worst = _equal_on(lambda *x: type(m).forward(m, *x), lambda *x: forward(m, *x), ins)
     elif piece == "conv_silu":
         m = _first(model, "GatedDeltaNet")
         original = getattr(modeling, "causal_conv1d_fn", None)
@@ -389,26 +393,18 @@ def _install(model, modeling, pieces: set[str]) -> dict:
     import functools
 
     counts = {p: 0 for p in pieces}
-    for m in model.modules():
-        name = type(m).__name__
-        if "Vision" in name:
-            continue
-        if "rms_norm" in pieces and name.endswith("RMSNorm"):
-            m.forward = functools.partial(rms_norm_forward, m)
-            counts["rms_norm"] += 1
-        elif "gated_norm" in pieces and name.endswith("RMSNormGated"):
-            m.forward = functools.partial(gated_norm_forward, m)
-            counts["gated_norm"] += 1
-        elif "swiglu" in pieces and name.endswith("MLP") and hasattr(m, "gate_proj"):
-            m.forward = functools.partial(swiglu_forward, m)
-            counts["swiglu"] += 1
-        elif "conv_silu" in pieces and name.endswith("GatedDeltaNet"):
+    for piece, (suffix, forward, needs) in MODULE_PIECES.items():
+        if piece in pieces:
+            for m in _text_modules(model, suffix):
+                if hasattr(m, needs):
+                    m.forward = functools.partial(forward, m)
+                    counts[piece] += 1
+    if "conv_silu" in pieces:
+        for m in _text_modules(model, "GatedDeltaNet"):
             _CONV_WEIGHTS.add(m.conv1d.weight.data_ptr())
             counts["conv_silu"] += 1
-    if "conv_silu" in pieces and modeling is not None:
-        current = modeling.causal_conv1d_fn
-        if not getattr(current, "_openjev_fused", False):
-            modeling.causal_conv1d_fn = make_conv_wrapper(current)
+        if modeling is not None and not getattr(modeling.causal_conv1d_fn, "_openjev_fused", False):
+            modeling.causal_conv1d_fn = make_conv_wrapper(modeling.causal_conv1d_fn)
     return counts
 
 
@@ -420,7 +416,7 @@ def remove_fused(model) -> None:
     """Give every module back Transformers' forward (benchmarks compare both in one process)."""
     for m in model.modules():
         fwd = m.__dict__.get("forward")
-        if getattr(fwd, "func", None) in (rms_norm_forward, gated_norm_forward, swiglu_forward):
+        if getattr(fwd, "func", None) in [forward for _, forward, _ in MODULE_PIECES.values()]:
             del m.forward
         conv = getattr(m, "conv1d", None)
         if conv is not None:
