@@ -107,6 +107,16 @@ BLAS_WORKSPACE_ENV = "CUBLAS_WORKSPACE_CONFIG"
 BLAS_WORKSPACE = ":0:0"  # no cuBLAS workspace: no split-K, so a GEMM's rows do not depend on its row count
 
 
+def _default_env(var: str, value: str, key: str, reason: str) -> dict:
+    """Set an environment variable read later by torch or Triton, unless the operator set it;
+    the record says which value is in force and who chose it."""
+    chosen = os.environ.get(var)
+    if chosen is not None:
+        return {key: chosen, "set_by": "environment"}
+    os.environ[var] = value
+    return {key: value, "set_by": "openjev", "reason": reason}
+
+
 def batch_invariant_blas() -> dict:
     """Run cuBLAS without a workspace unless the operator chose CUBLAS_WORKSPACE_CONFIG.
 
@@ -121,14 +131,10 @@ def batch_invariant_blas() -> dict:
     so this runs when app/_kernels.py is imported (load_classifier imports it before any GPU work);
     if CUDA was already initialised then, a cuBLAS handle made before may keep its workspace, and
     the record says so."""
-    chosen = os.environ.get(BLAS_WORKSPACE_ENV)
-    if chosen is not None:
-        return {"cublas_workspace_config": chosen, "set_by": "environment"}
-    os.environ[BLAS_WORKSPACE_ENV] = BLAS_WORKSPACE
-    out = {"cublas_workspace_config": BLAS_WORKSPACE, "set_by": "openjev",
-           "reason": "no split-K: GEMM rows independent of the batch (padded == exact arithmetic)"}
+    out = _default_env(BLAS_WORKSPACE_ENV, BLAS_WORKSPACE, "cublas_workspace_config",
+                       "no split-K: GEMM rows independent of the batch (padded == exact arithmetic)")
     torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
+    if out["set_by"] == "openjev" and torch is not None and torch.cuda.is_initialized():
         out["warning"] = "CUDA was initialised before app/_kernels.py was imported: cuBLAS may already have a workspace"
     return out
 
@@ -151,13 +157,9 @@ def shared_autotuning() -> dict:
     sequence length) writes them under Triton's cache directory (TRITON_CACHE_DIR, default
     ~/.triton/cache) and the others read them. Triton reads the variable when fla defines its
     kernels, so this runs when app/_kernels.py is imported, before fla is."""
-    chosen = os.environ.get(AUTOTUNE_CACHE_ENV)
-    if chosen is not None:
-        return {"triton_cache_autotuning": chosen, "set_by": "environment"}
-    os.environ[AUTOTUNE_CACHE_ENV] = "1"
-    out = {"triton_cache_autotuning": "1", "set_by": "openjev",
-           "reason": "fla's autotuned configurations shared by every process (same kernels, same bits)"}
-    if "fla" in sys.modules:
+    out = _default_env(AUTOTUNE_CACHE_ENV, "1", "triton_cache_autotuning",
+                       "fla's autotuned configurations shared by every process (same kernels, same bits)")
+    if out["set_by"] == "openjev" and "fla" in sys.modules:
         out["warning"] = "fla was imported before app/_kernels.py: its autotuners may not cache"
     return out
 
