@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_py
 
 sys.path.insert(0, str(REPO / "app"))
 
@@ -27,11 +27,6 @@ try:
     import triton  # noqa: F401
 except ImportError as exc:
     triton_missing = f"triton not importable ({exc}): it is the GPU extra; requirements.txt pins it for these tests"
-
-
-def run_py(code: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=f"{REPO / 'app'}:{REPO}", **(env_extra or {}))
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
 
 
 FUSE_ON_CPU = r"""
@@ -62,7 +57,7 @@ print(json.dumps({"record": rec, "exact_equal": bool(np.array_equal(before[0], a
 @pytest.mark.skipif(triton_missing is not None, reason=triton_missing or "")
 def test_pieces_are_used_only_where_bitwise_and_keep_the_logits(tiny_model):
     proc = run_py(FUSE_ON_CPU.replace("sys.argv[1]", repr(str(tiny_model["checkpoint"]))),
-                  {"TRITON_INTERPRET": "1"})
+                  {"TRITON_INTERPRET": "1"}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     rec = out["record"]
@@ -109,7 +104,7 @@ want = silu(conv.transpose(1, 2).half().float()).half()
 assert (got.float() - want.float()).abs().max() <= 2e-3 * want.float().abs().max(), "conv+silu off"
 print("ok")
 """
-    proc = run_py(code, {"TRITON_INTERPRET": "1"})
+    proc = run_py(code, {"TRITON_INTERPRET": "1"}, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
@@ -130,7 +125,7 @@ except UserError as exc:
 print(json.dumps({"off": off, "cpu": cpu, "bad": bad,
                   "installed": [type(m).__name__ for m in clf.model.modules() if "forward" in m.__dict__]}))
 """.replace("sys.argv[1]", repr(str(tiny_model["checkpoint"])))
-    proc = run_py(code)
+    proc = run_py(code, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["off"]["reason"] == "OPENJEV_FUSED=off" and out["off"]["pieces"] == {}

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, error_lines
+from conftest import REPO, error_lines, run_py
 
 sys.path.insert(0, str(REPO / "app"))
 
@@ -30,11 +30,6 @@ def test_float64_recurrence_matches_transformers_gated_delta_rule():
     assert float((out.double() - naive_gated_delta(q, k, v, g, beta)).abs().max()) < 1e-5
     wrong = naive_gated_delta(q, k, v, g * 0.5, beta)  # and it notices a different gate
     assert float((out.double() - wrong).abs().max()) > 1e-2
-
-
-def run_py(code: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=f"{REPO / 'app'}:{REPO}", **(env_extra or {}))
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
 
 
 def test_cpu_load_reports_the_fallback_and_its_reason(overlay):
