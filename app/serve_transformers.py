@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=int, default=8192,
                    help="inputs must be shorter than this (default: 8192, as the SGLang launcher)")
     p.add_argument("--max-running-requests", type=int, default=16,
-                   help="rows per forward pass (default: 16, as the SGLang launcher)")
+                   help="most rows per forward pass; a padded step is cut into fewer rows a forward where that "
+                        "pads less (default: 16, as the SGLang launcher)")
     p.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"],
                    help="accepted for launcher parity; with no prefix cache both mean first-come-first-served")
     p.add_argument("--max-batch-size", type=int, default=512, help="most inputs in one request; more gets 413 (default: 512)")
