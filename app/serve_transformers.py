@@ -120,6 +120,7 @@ class Counters:
     rows: int = 0
     tokens: int = 0
     forward_passes: int = 0
+    padded_tokens: int = 0          # tokens the forwards ran, padding included
     steps: int = 0
     flush_cache_calls: int = 0
     errors_4xx: int = 0
@@ -326,14 +327,19 @@ class Engine:
         try:
             logits = np.empty((len(rows), 3), dtype=np.float32)
             queued = []  # padded forwards of this step, their logits still on the device
+            forwards = padded_tokens = 0
             for idx in length_groups([len(r) for r in rows], self.args.max_running_requests):
                 group = [rows[i] for i in idx]
                 if self.batching == "exact" or self.clf.pad_token_id is None:
                     logits[idx] = score_exact(self.clf, group)
-                    self.counters.forward_passes += len(group)
+                    forwards += len(group)
+                    padded_tokens += sum(map(len, group))
                 else:  # similar lengths together keep padding small; one host copy per step
                     queued.append((idx, padded_logits(self.clf, group)))
-                    self.counters.forward_passes += 1
+                    forwards += 1
+                    padded_tokens += max(map(len, group)) * len(group)
+            self.counters.forward_passes += forwards
+            self.counters.padded_tokens += padded_tokens
             if queued:
                 import torch
 
@@ -349,9 +355,14 @@ class Engine:
             return
         elapsed = time.perf_counter() - t0
         self.counters.steps += 1
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step %d: %d rows of %d requests, %d tokens, %d forwards, %d padded tokens, %.1f ms",
+                      self.counters.steps, len(rows), len({id(j) for j, _ in picked}), sum(map(len, rows)),
+                      forwards, padded_tokens, elapsed * 1e3)
         if self.metrics:
             self.metrics.step_seconds.observe(elapsed)
             self.metrics.step_rows.observe(len(rows))
+            self.metrics.forward_tokens.inc(padded_tokens)
         with self._cv:
             for k, (job, i) in enumerate(picked):
                 if job.cancelled:
@@ -445,6 +456,8 @@ class Metrics:
                                       registry=r)
         self.step_seconds = Histogram("openjev_step_seconds", "wall time of one scheduling step", registry=r,
                                       buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
+        self.forward_tokens = Counter("openjev_forward_tokens", "tokens the forwards ran, padding included "
+                                      "(over openjev_tokens: the padding overhead)", registry=r)
         self.step_rows = Histogram("openjev_step_rows", "rows in one scheduling step", registry=r,
                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
         self.request_seconds = Histogram("openjev_request_seconds", "wall time of classify requests", ["route"],

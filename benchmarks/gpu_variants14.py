@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from _common import environment_receipt, read_tokens, truncate_rows, utc_now  # noqa: E402
-from gpu_profile import base_parser, budget_groups, sync  # noqa: E402
+from gpu_profile import base_parser, budget_groups, prof_tables, sync  # noqa: E402
 
 EXACT = ("exact", "exact_nocache", "exact_async", "exact_threads2", "exact_threads3")
 PADDED = ("padded", "padded_nocache", "padded_fused", "compiled_pointwise", "compiled_layers")
@@ -54,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", default="8,16", help="rows per padded forward to try (default 8,16)")
     p.add_argument("--budget", type=int, default=16384, help="padded tokens per forward (default 16384)")
     p.add_argument("--repeats", type=int, default=2, help="timed passes per padded variant after one untimed")
+    p.add_argument("--grouping", default="budget", choices=["budget", "dp"],
+                   help="budget: consecutive length-sorted rows while rows x longest <= --budget; dp: the embedded "
+                        "server's least-padding cuts over the whole set (serve_transformers.length_groups, "
+                        "--budget ignored) (default: budget)")
+    p.add_argument("--profile", action="store_true",
+                   help="after each padded variant, torch.profiler tables of one pass at the largest --rows "
+                        "(OUT/profile_VARIANT.txt, summary in the entry)")
     p.add_argument("--machine-label", default=None,
                    help="what the machine is, recorded in the receipt (default: the device name, or 'cpu')")
     return p
@@ -110,6 +117,29 @@ def padded_loop(clf, rows, groups, use_cache=None) -> np.ndarray:
     return out
 
 
+def count_syncs(clf, part) -> int | None:
+    """Host synchronizations while one padded forward is launched (torch.cuda sync debug mode): a
+    forward that syncs stalls the server's queue of launched forwards. None on a CPU."""
+    import warnings
+
+    import torch
+
+    from _classifier import padded_logits
+
+    if not str(clf.device).startswith("cuda"):
+        return None
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            padded_logits(clf, part)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def uncompile(model) -> None:
     for m in model.modules():
         if getattr(m, "_openjev_compiled", False):
@@ -157,9 +187,10 @@ def main() -> int:
     from _classifier import load_classifier, score_exact
     from _fused import apply_fused, remove_fused
     from _kernels import compile_pointwise, kernel_path, measure_matmul_peak, model_flops, path_label, warm_up
+    from serve_transformers import length_groups
 
     res: dict = {"kind": "openjev-variants14", "made_by": "benchmarks/gpu_variants14.py", "made_at": utc_now(),
-                 "device": args.device, "tokens_file": str(args.tokens), "variants": {}}
+                 "device": args.device, "grouping": args.grouping, "tokens_file": str(args.tokens), "variants": {}}
     if args.device.startswith("cuda"):
         res["machine"] = args.machine_label or f"{torch.cuda.get_device_name()} (not a V100)"
     else:
@@ -219,7 +250,8 @@ def main() -> int:
                     entry_n = 0
                 entry["compiled_modules"] = entry_n
                 for r in [int(x) for x in args.rows.split(",")]:
-                    groups = budget_groups(lengths, args.budget, r)
+                    groups = (length_groups(lengths, r) if args.grouping == "dp"
+                              else budget_groups(lengths, args.budget, r))
                     times = []
                     for rep in range(1 + args.repeats):
                         sync(args.device)
@@ -233,6 +265,11 @@ def main() -> int:
                                          "fraction_of_peak": round(flops / sec / 1e12 / peak, 3),
                                          **(agreement(logits, ref) if ref is not None else {})}
                     print(f"{v} rows {r}: {entry[f'rows{r}']}", flush=True)
+                if args.profile:
+                    entry["profile"] = prof_tables(lambda: padded_loop(clf, rows, groups, use_cache), args.device,
+                                                   args.out / f"profile_{v}.txt")
+                    entry["profile"]["rows"] = r
+                    entry["profile"]["host_syncs_in_one_forward"] = count_syncs(clf, [rows[i] for i in groups[-1]])
         except Exception as exc:  # noqa: BLE001 - one variant failing must not lose the others
             entry = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
         entry["wall_s"] = round(time.perf_counter() - t0, 1)

@@ -30,7 +30,8 @@
 #                  (0 = bitwise) set how replicas batch and what counts as a mismatch
 #   http_compiled  the same with OPENJEV_COMPILE=1 (norm and MLP modules through torch.compile)
 #   variants       benchmarks/gpu_variants14.py: exact-loop and padded-forward variants in one process,
-#                  each compared with the baseline exact pass (VARIANTS: its --variants list)
+#                  each compared with the baseline exact pass (VARIANTS: its --variants list; VARIANT_ARGS:
+#                  more of its flags, e.g. "--grouping dp --profile")
 #   divergence     benchmarks/gpu_divergence14.py: where padded forwards leave the exact FP16 reference
 #                  (module by module), cuBLAS reduced-precision reductions on/off, host syncs and a
 #                  cProfile of a warm exact forward, and every candidate against an FP32 forward
@@ -133,6 +134,8 @@ stage_http() {
     --reference "$REF" --out "$R/$name.json" --batch-size 32 --workers 4 --repetitions 3 --label "$name" \
     --machine-label "$LABEL" "${excl[@]}"
   rc=$?
+  "$PY" -c "import requests; print(requests.get('http://127.0.0.1:$port/metrics', timeout=10).text)" \
+    >"$R/$name.metrics.txt" 2>&1  # step seconds and rows, padded tokens: where the server's time went
   kill "$server" 2>/dev/null; wait "$server" 2>/dev/null
   "$PY" benchmarks/compute_bound.py "$R/$name.json" --model "$MODEL" --device "$DEVICE" || return 1
   return $rc
@@ -140,7 +143,7 @@ stage_http() {
 
 stage_variants() {
   "$PY" benchmarks/gpu_variants14.py --model "$MODEL" --tokens "$SET.tokens.jsonl" --out "$R/variants" \
-    --device "$DEVICE" ${VARIANTS:+--variants "$VARIANTS"}
+    --device "$DEVICE" ${VARIANTS:+--variants "$VARIANTS"} ${VARIANT_ARGS:-}
 }
 
 stage_divergence() {
@@ -173,7 +176,7 @@ stage_replicas() {  # issue 15: two replicas sharing GPU 0 behind the gateway
 }
 
 export PY W R SHAPE DEVICE ROWS LABEL DTYPE SET MODEL REF PROFILE_ARGS SERVER_ARGS HTTP_LABEL REF_WORKERS OPENJEV_COMPILE VARIANTS DIVERGENCE_PARTS
-export VARIANTS=${VARIANTS:-} DIVERGENCE_PARTS=${DIVERGENCE_PARTS:-}
+export VARIANTS=${VARIANTS:-} VARIANT_ARGS=${VARIANT_ARGS:-} DIVERGENCE_PARTS=${DIVERGENCE_PARTS:-}
 export HAPROXY=${HAPROXY:-}
 export -f free_port reference_again stage_replicas stage_prep stage_profile stage_profile_torch stage_reference stage_reference_w1 stage_reference_t1 stage_reference_b8 stage_reference_torch stage_variants stage_divergence stage_http stage_http_compiled stage_http16
 for s in ${STAGES:-prep profile profile_torch reference http}; do

@@ -10,10 +10,10 @@ import sys
 from conftest import REPO
 
 
-def variants(overlay, sample_tokens, out, names):
+def variants(overlay, sample_tokens, out, names, *extra):
     return subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_variants14.py"), "--model", str(overlay),
                            "--tokens", str(sample_tokens), "--out", str(out), "--device", "cpu", "--rows", "4",
-                           "--repeats", "1", "--variants", names], capture_output=True, text=True, timeout=600)
+                           "--repeats", "1", "--variants", names, *extra], capture_output=True, text=True, timeout=600)
 
 
 def test_variants_agree_with_the_baseline(overlay, sample_tokens, tmp_path):
@@ -33,6 +33,26 @@ def test_variants_agree_with_the_baseline(overlay, sample_tokens, tmp_path):
     check = subprocess.run([sys.executable, str(REPO / "app" / "validate_receipts.py"), str(out / "variants.json")],
                            capture_output=True, text=True, timeout=120)
     assert check.returncode == 0 and "ok (openjev-variants14)" in check.stdout, check.stdout + check.stderr
+
+
+def test_server_cuts_and_a_profile(overlay, sample_tokens, tmp_path):
+    """--grouping dp forms the forwards as the embedded server cuts a step (least padding over the
+    whole set); --profile adds torch.profiler tables of one pass."""
+    sys.path.insert(0, str(REPO / "app"))
+    from _common import read_tokens
+    from serve_transformers import length_groups
+
+    out = tmp_path / "v"
+    proc = variants(overlay, sample_tokens, out, "exact_async,padded_nocache", "--grouping", "dp", "--profile")
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads((out / "variants.json").read_text())
+    entry = res["variants"]["padded_nocache"]
+    _, rows = read_tokens(sample_tokens)
+    assert res["grouping"] == "dp" and entry["rows4"]["forwards"] == len(length_groups([len(r) for r in rows], 4))
+    assert entry["rows4"]["max_abs_dp_e"] < 1e-5 and entry["rows4"]["argmax_changes"] == 0
+    assert entry["profile"]["rows"] == 4 and entry["profile"]["events"] > 0
+    assert entry["profile"]["host_syncs_in_one_forward"] is None  # counted on a GPU only
+    assert "self CPU" in (out / "profile_padded_nocache.txt").read_text()
 
 
 def test_unknown_variants_and_a_used_output_are_refused_before_loading(overlay, sample_tokens, tmp_path):

@@ -202,7 +202,8 @@ def test_model_that_fails_to_load_exits_nonzero_with_one_line(tmp_path):
 def test_padded_batching_agrees_within_float32_tolerance(overlay, sample_tokens, reference, tmp_path):
     _, rows = token_rows(sample_tokens)
     ref = np.load(reference / "reference.npy")
-    srv = start_server(overlay, tmp_path / "log", "--batching", "padded", "--max-running-requests", "8")
+    srv = start_server(overlay, tmp_path / "log", "--batching", "padded", "--max-running-requests", "8",
+                       "--log-level", "debug")
     try:
         got = np.asarray(classify(srv.url, {"input_ids": rows}).json()["logits"], dtype=np.float32)
         info = requests.get(f"{srv.url}/server_info").json()
@@ -211,9 +212,14 @@ def test_padded_batching_agrees_within_float32_tolerance(overlay, sample_tokens,
     sys.path.insert(0, str(REPO / "app"))
     from serve_transformers import length_groups
 
-    forwards = len(length_groups([len(r) for r in rows], 8))  # one step: the whole request fits the budget
+    groups = length_groups([len(r) for r in rows], 8)  # one step: the whole request fits the budget
+    forwards, padded = len(groups), sum(max(len(rows[i]) for i in g) * len(g) for g in groups)
     assert sum(len(r) for r in rows) <= 16384 and forwards >= math.ceil(len(rows) / 8)
     assert info["batching"] == "padded" and info["counters"]["forward_passes"] == forwards
+    assert info["counters"]["padded_tokens"] == padded >= sum(len(r) for r in rows)
+    # --log-level debug: one line per step with its rows, forwards and padded tokens
+    assert (f"step 1: {len(rows)} rows of 1 requests, {sum(len(r) for r in rows)} tokens, {forwards} forwards, "
+            f"{padded} padded tokens") in (tmp_path / "log").read_text()
     assert np.abs(got - ref).max() < 1e-5
     assert (got.argmax(1) == ref.argmax(1)).all()
 

@@ -35,8 +35,9 @@ def post(url, path, body, timeout=60, raw=False):
     return requests.post(f"{url}{path}", data=data, headers={"Content-Type": "application/json"}, timeout=timeout)
 
 
-def metric(text: str, name: str, **labels) -> float:
-    """Sum of the samples of `name` whose labels include `labels` (Prometheus text format)."""
+def metric(text: str, name: str, missing: float | None = None, **labels) -> float:
+    """Sum of the samples of `name` whose labels include `labels` (Prometheus text format);
+    `missing` is returned when there is none (a labelled counter appears at its first increment)."""
     total, found = 0.0, False
     for line in text.splitlines():
         if line.startswith("#") or not line.startswith(name):
@@ -48,6 +49,8 @@ def metric(text: str, name: str, **labels) -> float:
         if all(got.get(k) == v for k, v in labels.items()):
             total += float(m.group(4))
             found = True
+    if not found and missing is not None:
+        return missing
     assert found, f"no sample {name}{labels} in /metrics"
     return total
 
@@ -382,8 +385,11 @@ def test_metrics_in_prometheus_text_format(front, sample_tokens):
     text = r.text
     assert metric(text, "openjev_rows_total") - metric(before, "openjev_rows_total") == 3
     assert metric(text, "openjev_tokens_total") - metric(before, "openjev_tokens_total") == sum(len(x) for x in rows[:3])
+    # the front serves exact batching (CPU): forwards run the tokens themselves, no padding
+    assert (metric(text, "openjev_forward_tokens_total") - metric(before, "openjev_forward_tokens_total")
+            == sum(len(x) for x in rows[:3]))
     assert (metric(text, "openjev_http_requests_total", route="/classify", status="200")
-            - metric(before, "openjev_http_requests_total", route="/classify", status="200")) == 1
+            - metric(before, "openjev_http_requests_total", missing=0, route="/classify", status="200")) == 1
     assert metric(text, "openjev_queue_rows") == 0 and metric(text, "openjev_queue_requests") == 0
     assert metric(text, "openjev_step_seconds_count") >= 1 and metric(text, "openjev_step_seconds_bucket", le="+Inf") >= 1
     assert metric(text, "openjev_step_token_budget") == 16384 and metric(text, "openjev_healthy") == 1
