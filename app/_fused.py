@@ -90,6 +90,43 @@ if triton is not None:
         tl.store(Y + offs, x * x, mask=m)
 
     @triton.jit
+    def _sumsq_kernel(X, OUT, rows, factor, N: tl.constexpr, VEC: tl.constexpr, ROWS: tl.constexpr):
+        # mean(x.float() ** 2, -1) of [rows, N] contiguous, summed in the order of PyTorch's CUDA
+        # reduce kernel for an inner reduction with >= 16 outputs (block 32 x 16): a warp per row;
+        # lane t keeps 4 accumulators a_i over j = 0, 1, ...: elements 4t + i + 128j when the
+        # input is vectorized (N > 128: float4 loads), t + 32i + 128j when not; the lane's value
+        # is ((a_0 + a_1) + a_2) + a_3; the warp adds lanes pairwise (shfl_down by 1, 2, 4, 8,
+        # 16); the mean is sum * factor (float32 of 1/N, as MeanOps).
+        r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        rm = r < rows
+        lane = tl.arange(0, 32)
+        base = X + r[:, None] * N
+        a0 = tl.zeros([ROWS, 32], dtype=tl.float32)
+        a1 = tl.zeros([ROWS, 32], dtype=tl.float32)
+        a2 = tl.zeros([ROWS, 32], dtype=tl.float32)
+        a3 = tl.zeros([ROWS, 32], dtype=tl.float32)
+        for j in tl.static_range(N // 128):
+            if VEC:
+                p = base + (4 * lane + 128 * j)[None, :]
+                s = 1
+            else:
+                p = base + (lane + 128 * j)[None, :]
+                s = 32
+            x0 = tl.load(p, mask=rm[:, None], other=0.0).to(tl.float32)
+            x1 = tl.load(p + s, mask=rm[:, None], other=0.0).to(tl.float32)
+            x2 = tl.load(p + 2 * s, mask=rm[:, None], other=0.0).to(tl.float32)
+            x3 = tl.load(p + 3 * s, mask=rm[:, None], other=0.0).to(tl.float32)
+            a0 += x0 * x0
+            a1 += x1 * x1
+            a2 += x2 * x2
+            a3 += x3 * x3
+        v = ((a0 + a1) + a2) + a3
+        for _ in tl.static_range(5):  # lanes 2p and 2p+1, then pairs of pairs, ...
+            left, right = tl.split(tl.reshape(v, [ROWS, v.shape[1] // 2, 2]))
+            v = left + right
+        tl.store(OUT + r, tl.reshape(v, [ROWS]) * factor, mask=rm)
+
+    @triton.jit
     def _rms_apply_kernel(X, R, W1, Y, n, cols, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = offs < n
@@ -151,6 +188,28 @@ def square_f32(x):
     return y
 
 
+SUMSQ_ROWS = 16
+MEAN_MIN_ROWS = 16  # below this PyTorch's reduce uses wider blocks (another order): keep torch's mean
+
+
+def mean_square(x):
+    """x.float().pow(2).mean(-1, keepdim=True) for a contiguous half-precision x, in the order
+    PyTorch's CUDA mean sums, in one pass over x (no float32 copy of x*x); None where that order
+    is not the one _sumsq_kernel reproduces (fewer than 16 rows, a last dimension that is not a
+    multiple of 128), so the caller keeps torch's mean."""
+    import numpy as np
+    import torch
+
+    n = x.shape[-1]
+    rows = x.numel() // n if n else 0
+    if n == 0 or n % 128 or rows < MEAN_MIN_ROWS or not x.is_contiguous():
+        return None
+    out = torch.empty(x.shape[:-1] + (1,), dtype=torch.float32, device=x.device)
+    _sumsq_kernel[(triton.cdiv(rows, SUMSQ_ROWS),)](x, out, rows, float(np.float32(1.0) / np.float32(n)), N=n,
+                                                    VEC=n > 128, ROWS=SUMSQ_ROWS)
+    return out
+
+
 def rms_apply(x, r, w1):
     import torch
 
@@ -195,13 +254,23 @@ def _lowp(x) -> bool:
     return x.dtype in (torch.float16, torch.bfloat16) and (x.is_cuda or INTERPRET) and x.is_contiguous()
 
 
+# per norm piece: whether its variance is summed by mean_square (one pass; set by the start-up
+# check, which falls back to x*x + torch's mean when that is not bitwise here)
+ONE_PASS_VARIANCE = {"rms_norm": True, "gated_norm": True}
+
+
+def _variance(x, piece: str):
+    v = mean_square(x) if ONE_PASS_VARIANCE[piece] else None
+    return v if v is not None else square_f32(x).mean(-1, keepdim=True)
+
+
 def rms_norm_forward(m, x):
     """Qwen3_5RMSNorm.forward, fused; other inputs go to Transformers' code."""
     import torch
 
     if not _lowp(x):
         return type(m).forward(m, x)
-    r = torch.rsqrt(square_f32(x).mean(-1, keepdim=True) + m.eps)
+    r = torch.rsqrt(_variance(x, "rms_norm") + m.eps)
     w1 = m.__dict__.get("_openjev_w1")
     if w1 is None or w1.device != x.device:
         w1 = 1.0 + m.weight.float()
@@ -218,7 +287,7 @@ def gated_norm_forward(m, hidden_states, gate):
             and gate.is_contiguous() and w.dtype in (hidden_states.dtype, torch.float32)
             and getattr(m, "activation", "silu") == "silu"):
         return type(m).forward(m, hidden_states, gate)
-    r = torch.rsqrt(square_f32(hidden_states).mean(-1, keepdim=True) + m.variance_epsilon)
+    r = torch.rsqrt(_variance(hidden_states, "gated_norm") + m.variance_epsilon)
     return gated_apply(hidden_states, r, gate, w)
 
 
@@ -307,6 +376,8 @@ def _check_piece(piece: str, model, modeling, device, dtype) -> dict:
         m = _first(model, suffix)
         if m is None or (piece == "swiglu" and not _is_silu(getattr(m, "act_fn", None))):
             return {"used": False, "reason": f"no {suffix} module" + (" with a silu activation" if piece == "swiglu" else "")}
+        if piece in ONE_PASS_VARIANCE:
+            ONE_PASS_VARIANCE[piece] = True
         if piece == "rms_norm":
             ins = [(rnd(b, t, m.weight.shape[0], scale=3.0),) for b, t in CHECK_SHAPES]
         elif piece == "gated_norm":
@@ -315,6 +386,15 @@ def _check_piece(piece: str, model, modeling, device, dtype) -> dict:
         else:
             ins = [(rnd(b, t, m.gate_proj.in_features),) for b, t in CHECK_SHAPES]
         same, worst = _equal_on(lambda *x: type(m).forward(m, *x), lambda *x: forward(m, *x), ins)
+        variance = None
+        if piece in ONE_PASS_VARIANCE:  # one-pass variance first; if not bitwise here, torch's mean
+            width = ins[0][0].shape[-1]
+            variance = ("one pass (PyTorch's CUDA summation order)" if width % 128 == 0 else
+                        f"x*x, then torch.mean (width {width} is not a multiple of 128)")
+            if not same and width % 128 == 0:
+                ONE_PASS_VARIANCE[piece] = False
+                same, worst = _equal_on(lambda *x: type(m).forward(m, *x), lambda *x: forward(m, *x), ins)
+                variance = "x*x, then torch.mean (the one-pass order was not bitwise here)"
     elif piece == "conv_silu":
         m = _first(model, "GatedDeltaNet")
         original = getattr(modeling, "causal_conv1d_fn", None)
@@ -333,6 +413,8 @@ def _check_piece(piece: str, model, modeling, device, dtype) -> dict:
     else:
         raise ValueError(piece)
     out = {"used": same, "bitwise_on_check": same, "check_shapes": [list(s) for s in CHECK_SHAPES]}
+    if piece in ONE_PASS_VARIANCE and same:
+        out["variance"] = variance
     if not same:
         out["reason"] = f"not bitwise equal to Transformers' module on this device (max abs diff {worst:.3g})"
         out["max_abs_diff"] = worst

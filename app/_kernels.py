@@ -167,6 +167,189 @@ def shared_autotuning() -> dict:
 _AUTOTUNE = shared_autotuning()
 
 
+# ---------------------------------------------------------------- pinned fla configurations
+FLA_CONFIGS_ENV = "OPENJEV_FLA_CONFIGS"
+FLA_CONFIGS_KIND = "openjev-fla-configs"
+_PINS: dict = {}  # what pin_autotuners did in this process: record, tuners, original configs
+
+
+def fla_configs_path(device_name: str) -> Path | None:
+    """Where this machine's pinned fla configurations live: $OPENJEV_FLA_CONFIGS, or None when it
+    is "off", else ~/.cache/openjev/fla-configs/GPU-flaVER-tritonVER.json ($XDG_CACHE_HOME
+    respected): one file per GPU model and kernel versions."""
+    chosen = os.environ.get(FLA_CONFIGS_ENV, "")
+    if chosen == "off":
+        return None
+    if chosen:
+        return Path(chosen).expanduser()
+    import fla
+    import triton
+
+    gpu = "".join(c if c.isalnum() else "_" for c in device_name).strip("_") or "gpu"
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "openjev" / "fla-configs" / f"{gpu}-fla{fla.__version__}-triton{triton.__version__}.json"
+
+
+def _autotuners(prefix: str) -> dict:
+    """Triton autotuners defined in the modules `prefix` and `prefix.*`, by kernel name."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import KernelInterface
+
+    found = {}
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not (name == prefix or name.startswith(prefix + ".")):
+            continue
+        for obj in list(vars(mod).values()):
+            while isinstance(obj, KernelInterface) and not isinstance(obj, Autotuner):
+                obj = getattr(obj, "fn", None)  # a heuristics wrapper around the autotuner
+            if isinstance(obj, Autotuner):
+                fn = obj.fn
+                while not inspect.isfunction(fn) and hasattr(fn, "fn"):
+                    fn = fn.fn
+                found[f"{fn.__module__}.{fn.__qualname__}"] = obj
+    return found
+
+
+def _config_dict(c) -> dict:
+    return {"kwargs": dict(c.kwargs), "num_warps": c.num_warps, "num_stages": c.num_stages,
+            "num_ctas": getattr(c, "num_ctas", 1), "maxnreg": getattr(c, "maxnreg", None)}
+
+
+def _config(d: dict):
+    import triton
+
+    extra = {"maxnreg": d["maxnreg"]} if d.get("maxnreg") is not None else {}
+    return triton.Config(dict(d["kwargs"]), num_warps=d["num_warps"], num_stages=d["num_stages"],
+                         num_ctas=d.get("num_ctas", 1), **extra)
+
+
+def _read_pins(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        if data.get("kind") != FLA_CONFIGS_KIND or not isinstance(data.get("kernels"), dict):
+            raise ValueError(f"kind {data.get('kind')!r}, expected {FLA_CONFIGS_KIND!r} with a kernels table")
+        for name, d in data["kernels"].items():
+            _config(d)  # every entry must make a Triton config
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise UserError(f"{path}: not a pinned fla configuration file ({type(exc).__name__}: {exc}); move it "
+                        f"away to tune again, or set {FLA_CONFIGS_ENV}=off") from None
+    return data
+
+
+def pin_autotuners(prefix: str, path: Path, tune, meta: dict) -> dict:
+    """One Triton configuration per autotuned kernel of `prefix`, the same for every shape and in
+    every process that reads `path`.
+
+    If `path` exists its configurations are used; otherwise `tune()` runs the kernels at one
+    shape (Triton autotunes them there, by timing), the configuration each kernel chose is
+    written to `path` (atomically, under a lock, so concurrent processes agree on one file) and
+    used. Each pinned autotuner is left a single configuration, so Triton no longer tunes it
+    for new shapes. Returns the record kept in kernel_path()["fla_configs"]."""
+    import hashlib
+
+    import fcntl
+
+    tuners = _autotuners(prefix)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tuned_here = False
+    with open(path.parent / (path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            data = _read_pins(path)
+        else:
+            for at in tuners.values():
+                at.cache.clear()
+            t0 = time.perf_counter()
+            tune()
+            chosen = {name: _config_dict(next(iter(at.cache.values()))) for name, at in sorted(tuners.items())
+                      if at.cache}
+            data = {"kind": FLA_CONFIGS_KIND, "made_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "made_by": "app/_kernels.py pin_autotuners", **meta,
+                    "tune_seconds": round(time.perf_counter() - t0, 3), "kernels": chosen}
+            tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+            os.replace(tmp, path)
+            tuned_here = True
+            log.info("fla configurations tuned in %.1f s for %d kernels and written to %s",
+                     data["tune_seconds"], len(chosen), path)
+    original = _PINS.setdefault("original", {})
+    pinned = []
+    for name, at in tuners.items():
+        if name in data["kernels"]:
+            original.setdefault(name, (at, list(at.configs)))
+            at.configs = [_config(data["kernels"][name])]
+            at.cache.clear()
+            pinned.append(name)
+    record = {"file": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+              "made_at": data.get("made_at"), "tuned_here": tuned_here, "pinned": len(pinned),
+              "autotuners": len(tuners)}
+    _PINS.update(record=record, tuners=tuners)
+    if not tuned_here:
+        log.info("fla configurations pinned from %s (%d kernels)", path, len(pinned))
+    return record
+
+
+def unpin_autotuners() -> None:
+    """Give the pinned autotuners their configuration lists back (tests)."""
+    for at, configs in _PINS.get("original", {}).values():
+        at.configs = configs
+        at.cache.clear()
+    _PINS.clear()
+
+
+def pins_record() -> dict | None:
+    """The pinning record, with the kernels that tuned themselves since (autotuners that were not
+    pinned but ran: their configuration may depend on the shape)."""
+    if "record" not in _PINS:
+        return None
+    rec = dict(_PINS["record"])
+    pinned = _PINS.get("original", {})
+    rec["autotuned_unpinned"] = sorted(n for n, at in _PINS["tuners"].items() if n not in pinned and at.cache)
+    return rec
+
+
+def pin_fla_configs(device: str, heads: int, dk: int, dv: int, dtype: str = "float16") -> dict:
+    """fla's kernels with one configuration each for every shape (see pin_autotuners).
+
+    Why: fla autotunes per key, and some keys hold the shape; l2norm's is NB =
+    ceil(rows x length x heads / 65536), so an exact one-row forward (NB 1) and a padded forward
+    of 16 long rows (NB 12) ran different configurations, which sum a row in another order.
+    Measured on the H200 (results_h200/embedded14/call15-dp-cuts): the least-padding cuts formed forwards
+    of up to 24k tokens and the server's logits left the reference's in every pass (max |dp_e|
+    0.00226), also within one process. Tuned once per machine at [4, 1024, heads, dk/dv]."""
+    import torch
+
+    path = fla_configs_path(torch.cuda.get_device_name(device) if device.startswith("cuda") else device)
+    if path is None:
+        _PINS.update(record={"requested": "off", "reason": f"{FLA_CONFIGS_ENV}=off: fla autotunes per shape"}, tuners={})
+        return _PINS["record"]
+
+    def tune():
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        dt = getattr(torch, dtype)
+
+        def rnd(*shape):
+            return torch.randn(*shape, generator=gen).to(device=device, dtype=dt)
+
+        b, t = 4, 1024
+        with torch.inference_mode():
+            chunk_gated_delta_rule(rnd(b, t, heads, dk), rnd(b, t, heads, dk), rnd(b, t, heads, dv),
+                                   g=-torch.rand(b, t, heads, generator=gen).to(device),
+                                   beta=torch.rand(b, t, heads, generator=gen).to(device=device, dtype=dt),
+                                   use_qk_l2norm_in_kernel=True)
+            torch.cuda.synchronize(device)
+
+    import fla
+    import triton
+
+    meta = {"device": torch.cuda.get_device_name(device), "fla": getattr(fla, "__version__", None),
+            "triton": triton.__version__, "torch": torch.__version__,
+            "tuned_on": {"batch": 4, "length": 1024, "heads": heads, "dk": dk, "dv": dv, "dtype": dtype}}
+    return pin_autotuners("fla", path, tune, meta)
+
+
 def configure_backends(device: str) -> dict:
     """PyTorch backend switches for varying sequence lengths on a GPU (the model code is untouched).
 
@@ -228,6 +411,15 @@ def select_kernels(device: str, config: dict | None = None, mode: str | None = N
         except Exception as exc:  # noqa: BLE001 - ImportError, Triton refusing the GPU, a wrong result
             decision["reason"] = f"flash-linear-attention unusable: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             _block(["fla"], decision["reason"])
+        else:
+            try:
+                pin_fla_configs(device, heads, dk, dv)
+            except UserError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - fla still runs, autotuning per shape as before
+                log.warning("fla configurations not pinned (%s: %s): fla autotunes per shape", type(exc).__name__, exc)
+                _PINS["record"] = {"error": f"{type(exc).__name__}: {exc}"}
+                _PINS["tuners"] = {}
     _DECISION.clear()
     _DECISION.update(decision)
     return decision
@@ -272,6 +464,7 @@ def kernel_path(model) -> dict:
     info["cublas_workspace_config"] = os.environ.get(BLAS_WORKSPACE_ENV)
     info["triton_cache_autotuning"] = os.environ.get(AUTOTUNE_CACHE_ENV)
     info["triton_cache_dir"] = os.environ.get("TRITON_CACHE_DIR") or "~/.triton/cache (Triton's default)"
+    info["fla_configs"] = pins_record()
     from _classifier import padded_attention_mode
 
     info["padded_attention"] = padded_attention_mode()

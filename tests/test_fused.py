@@ -70,6 +70,9 @@ def test_pieces_are_used_only_where_bitwise_and_keep_the_logits(tiny_model):
     # the norms' arithmetic is multiplications only: bitwise on any device, so it must be used here
     assert rec["pieces"]["rms_norm"]["used"] and rec["pieces"]["rms_norm"]["modules"] > 0
     assert "Qwen3_5RMSNorm" in out["installed"]
+    # the one-pass variance sums in PyTorch's CUDA order, not in its CPU kernel's: here the check
+    # falls back to x*x + torch.mean (or keeps it for a width that is not a multiple of 128)
+    assert rec["pieces"]["rms_norm"]["variance"].startswith("x*x, then torch.mean"), rec["pieces"]["rms_norm"]
     assert out["conv_wrapped"] == rec["pieces"]["conv_silu"]["used"]
     assert out["exact_equal"] and out["padded_equal"], "a model with the used pieces changed its logits"
     assert out["wrong"]["used"] is False and "not bitwise equal" in out["wrong"]["reason"]
@@ -102,6 +105,32 @@ conv = torch.nn.functional.conv1d(x.transpose(1, 2).float(), cw.float().unsqueez
 got = _fused.conv_silu_blc(x.contiguous(), cw)
 want = silu(conv.transpose(1, 2).half().float()).half()
 assert (got.float() - want.float()).abs().max() <= 2e-3 * want.float().abs().max(), "conv+silu off"
+# mean_square: PyTorch's CUDA summation order, written out in numpy float32 (lane t, accumulators
+# a_i over j: elements 4t+i+128j vectorized (N > 128) or t+32i+128j; ((a0+a1)+a2)+a3; lanes added
+# pairwise; times float32(1/N))
+def cuda_order_mean(xs):
+    xs = xs.float().numpy().reshape(-1, xs.shape[-1])
+    rows, n = xs.shape
+    out = np.empty(rows, dtype=np.float32)
+    for r in range(rows):
+        lanes = []
+        for t in range(32):
+            acc = [np.float32(0)] * 4
+            for j in range(n // 128):
+                for i in range(4):
+                    e = 4 * t + i + 128 * j if n > 128 else t + 32 * i + 128 * j
+                    acc[i] = np.float32(acc[i] + np.float32(xs[r, e]) * np.float32(xs[r, e]))
+            lanes.append(np.float32(np.float32(np.float32(acc[0] + acc[1]) + acc[2]) + acc[3]))
+        while len(lanes) > 1:
+            lanes = [np.float32(lanes[k] + lanes[k + 1]) for k in range(0, len(lanes), 2)]
+        out[r] = np.float32(lanes[0] * (np.float32(1) / np.float32(n)))
+    return torch.from_numpy(out)
+for shape in ((17, 256), (2, 9, 128), (20, 384)):
+    xs = (torch.randn(*shape, generator=g) * 3).half()
+    got = _fused.mean_square(xs)
+    assert got.shape == xs.shape[:-1] + (1,) and torch.equal(got.reshape(-1), cuda_order_mean(xs)), shape
+assert _fused.mean_square(x) is None  # 96 columns: not a multiple of 128, torch's mean is kept
+assert _fused.mean_square(torch.randn(15, 256).half()) is None  # < 16 rows: PyTorch sums otherwise
 print("ok")
 """
     proc = run_py(code, {"TRITON_INTERPRET": "1"}, timeout=600)
@@ -166,3 +195,50 @@ def test_fused_padded_forwards_on_a_gpu_are_bitwise_the_reference(overlay, sampl
     assert all(p["used"] for p in fused["pieces"].values()), fused
     assert v["padded_fused"]["rows8"]["bitwise_equal"], v["padded_fused"]
     assert np.load(out / "exact_baseline.npy").shape[1] == 3
+
+
+@pytest.mark.skipif(triton_missing is not None, reason=triton_missing or "")
+def test_norm_falls_back_to_torch_mean_where_the_one_pass_order_differs():
+    """A norm of width 256 on a CPU: the one-pass variance (PyTorch's CUDA order) is not what
+    torch's CPU mean gives, so the check keeps the piece with x*x + torch.mean, and the installed
+    module is still bitwise Transformers' on new inputs."""
+    code = r"""
+import json, torch
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+import _fused
+model = torch.nn.Sequential(Qwen3_5RMSNorm(256)).half()
+torch.nn.init.normal_(model[0].weight, std=0.5)
+rec = _fused.apply_fused(model, "cpu")
+x = (torch.randn(2, 40, 256) * 2).half()
+print(json.dumps({"rms": rec["pieces"]["rms_norm"], "one_pass": _fused.ONE_PASS_VARIANCE["rms_norm"],
+                  "equal": bool(torch.equal(model(x), type(model[0]).forward(model[0], x)))}))
+"""
+    proc = run_py(code, {"TRITON_INTERPRET": "1"}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["rms"]["used"] and out["rms"]["modules"] == 1 and out["one_pass"] is False, out
+    assert out["rms"]["variance"] == "x*x, then torch.mean (the one-pass order was not bitwise here)"
+    assert out["equal"]
+
+
+@pytest.mark.gpu
+def test_one_pass_variance_is_torch_mean_on_a_gpu():
+    """mean_square against x.float().pow(2).mean(-1) on the GPU, bitwise, over widths of Qwen3.5's
+    norms (hidden 2560, attention head 256, GDN value head 128) and others, and row counts from 16."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: the one-pass variance reproduces PyTorch's CUDA summation order")
+    if triton_missing:
+        pytest.skip(triton_missing)
+    import _fused
+
+    g = torch.Generator(device="cpu").manual_seed(3)
+    bad = []
+    for n in (128, 256, 384, 1024, 2560, 4096):
+        for rows in (16, 17, 100, 1000, 24001):
+            x = (torch.randn(rows, n, generator=g) * 3).half().cuda()
+            want = x.float().pow(2).mean(-1, keepdim=True)
+            got = _fused.mean_square(x)
+            if not torch.equal(got, want):
+                bad.append((rows, n, float((got - want).abs().max())))
+    assert not bad, f"not bitwise torch's mean (rows, width, max diff): {bad}"

@@ -11,6 +11,12 @@ import pytest
 
 from conftest import REPO, error_lines, run_py
 
+triton_missing = None
+try:
+    import triton  # noqa: F401
+except ImportError as exc:
+    triton_missing = f"triton not importable ({exc}): it is the GPU extra; requirements.txt pins it for these tests"
+
 sys.path.insert(0, str(REPO / "app"))
 
 
@@ -148,3 +154,159 @@ def test_server_reports_kernel_path_and_warmup(server):
     assert info["kernel_path"]["gdn"] == "torch-fallback" and info["kernel_path"]["attn_implementation"]
     assert info["warmup"]["forwards"] >= 2 and "skipped" in info["warmup"]["fla_shapes"]
     assert info["kernel_path"]["fused"]["reason"].startswith("device cpu")  # app/_fused.py: GPU only
+
+
+# ---------------------------------------------------------------- pinned autotuner configurations
+PIN_KERNELS = '''
+import os
+import triton, triton.language as tl
+
+TIMES = []
+
+
+def bench(fn, quantiles=None):
+    """Triton's autotuner times each configuration with this: in process A later configurations
+    are faster, with PINTEST_FAVOUR_FIRST=1 earlier ones."""
+    fn()
+    TIMES.append(1)
+    t = float(len(TIMES)) if os.environ.get("PINTEST_FAVOUR_FIRST") else float(10 - len(TIMES))
+    return [t, t, t]
+
+
+@triton.autotune(configs=[triton.Config({"B": 16}, num_warps=1), triton.Config({"B": 32}, num_warps=2)],
+                 key=["n"], do_bench=bench)
+@triton.jit
+def double(X, Y, n, B: tl.constexpr):
+    o = tl.program_id(0) * B + tl.arange(0, B)
+    m = o < n
+    tl.store(Y + o, tl.load(X + o, mask=m) * 2, mask=m)
+
+
+@triton.autotune(configs=[triton.Config({"B": 16}), triton.Config({"B": 64})], key=["n"], do_bench=bench)
+@triton.jit
+def triple(X, Y, n, B: tl.constexpr):
+    o = tl.program_id(0) * B + tl.arange(0, B)
+    m = o < n
+    tl.store(Y + o, tl.load(X + o, mask=m) * 3, mask=m)
+'''
+
+PIN_RUN = r'''
+import json, sys
+from pathlib import Path
+import torch, triton
+import pintest_k as k
+import _kernels
+from _common import UserError
+
+
+def run(fn, n):
+    x = torch.randn(n)
+    y = torch.empty(n)
+    fn[lambda m: (triton.cdiv(n, m["B"]),)](x, y, n)
+    return bool(torch.equal(y, x * (2 if fn is k.double else 3)))
+
+
+try:
+    rec = _kernels.pin_autotuners("pintest_k", Path(sys.argv[1]), lambda: run(k.double, 100), {"device": "test"})
+except UserError as exc:
+    print(json.dumps({"error": str(exc)}))
+    sys.exit(0)
+timed = len(k.TIMES)
+ok = run(k.double, 333) and run(k.double, 5000)  # new keys: no tuning, the pinned configuration
+run(k.triple, 50)  # not pinned (tune() never ran it): it tunes, and the record says so
+print(json.dumps({"record": _kernels.pins_record(), "timed_while_pinning": timed, "timed_after": len(k.TIMES) - timed,
+                  "double": [c.kwargs["B"] for c in k.double.configs], "ok": ok}))
+'''
+
+
+@pytest.mark.skipif(triton_missing is not None, reason=triton_missing or "")
+def test_autotuners_are_pinned_to_one_configuration_shared_through_a_file(tmp_path):
+    """pin_autotuners on a two-configuration kernel under Triton's interpreter (timings from a
+    stand-in benchmarker, since the interpreter cannot time): the first process tunes once and
+    writes the file; later shapes run the pinned configuration without tuning; a second process
+    whose own timing would choose the other configuration takes the file's."""
+    (tmp_path / "pintest_k.py").write_text(PIN_KERNELS)
+    pins = tmp_path / "cache" / "pins.json"
+
+    def process(extra=None):
+        env = {"TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO / 'app'}:{tmp_path}", **(extra or {})}
+        proc = subprocess.run([sys.executable, "-c", PIN_RUN, str(pins)], capture_output=True, text=True,
+                              env=dict(os.environ, **env), timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    a = process()
+    assert a["ok"] and a["double"] == [32] and a["timed_while_pinning"] == 2 and a["timed_after"] == 2
+    rec = a["record"]
+    assert rec["tuned_here"] and rec["pinned"] == 1 and rec["autotuners"] == 2 and rec["file"] == str(pins)
+    assert rec["autotuned_unpinned"] == ["pintest_k.triple"]
+    data = json.loads(pins.read_text())
+    assert data["kind"] == "openjev-fla-configs" and data["device"] == "test"
+    assert data["kernels"] == {"pintest_k.double": {"kwargs": {"B": 32}, "num_warps": 2, "num_stages": 3,
+                                                    "num_ctas": 1, "maxnreg": None}}
+    b = process({"PINTEST_FAVOUR_FIRST": "1"})
+    assert b["double"] == [32] and b["timed_while_pinning"] == 0 and b["ok"]
+    assert not b["record"]["tuned_here"] and b["record"]["sha256"] == rec["sha256"]
+    assert pins.read_text() == json.dumps(data, indent=1, sort_keys=True) + "\n"  # not rewritten
+    assert not list(pins.parent.glob(".*.tmp"))
+
+
+@pytest.mark.skipif(triton_missing is not None, reason=triton_missing or "")
+def test_a_damaged_pins_file_is_a_clear_error_and_is_kept(tmp_path):
+    (tmp_path / "pintest_k.py").write_text(PIN_KERNELS)
+    pins = tmp_path / "pins.json"
+    for text in ("{not json", json.dumps({"kind": "something-else", "kernels": {}}),
+                 json.dumps({"kind": "openjev-fla-configs", "kernels": {"pintest_k.double": {"kwargs": {}}}})):
+        pins.write_text(text)
+        proc = subprocess.run([sys.executable, "-c", PIN_RUN, str(pins)], capture_output=True, text=True,
+                              env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{REPO / 'app'}:{tmp_path}"),
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        err = json.loads(proc.stdout.strip().splitlines()[-1])["error"]
+        assert err.startswith(f"{pins}: not a pinned fla configuration file") and "OPENJEV_FLA_CONFIGS=off" in err
+        assert pins.read_text() == text
+
+
+def test_pins_path_from_the_environment(tmp_path):
+    code = """
+import _kernels
+print(_kernels.fla_configs_path("NVIDIA H200"))
+"""
+    assert run_py(code, {"OPENJEV_FLA_CONFIGS": "off"}).stdout.strip() == "None"
+    assert run_py(code, {"OPENJEV_FLA_CONFIGS": str(tmp_path / "p.json")}).stdout.strip() == str(tmp_path / "p.json")
+
+
+@pytest.mark.gpu
+def test_fla_configs_pinned_on_a_gpu_keep_padded_forwards_bitwise_exact(overlay, tmp_path):
+    """On a GPU with fla: the first process tunes fla once and writes the pins, the second reads
+    them; in both, no fla kernel tunes itself for a new shape, and a padded forward whose l2norm
+    key (NB) differs from the one-row forwards' gives the exact forwards' bits."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: fla's Triton kernels need a GPU (measured on an H200: "
+                    "results_h200/embedded14/call15-dp-cuts)")
+    pytest.importorskip("fla", reason="flash-linear-attention is the GPU extra (requirements-gpu-embedded.txt)")
+    code = """
+import json, sys
+import numpy as np
+from _classifier import load_classifier, score_exact, score_padded
+from _kernels import kernel_path
+clf = load_classifier(sys.argv[1], device="cuda")
+rows = [[(11 * i + 5 * j) % clf.vocab_size for i in range(1100 + 7 * j)] for j in range(16)]
+ex, pd = score_exact(clf, rows), score_padded(clf, rows)
+print(json.dumps({"equal": bool(np.array_equal(ex, pd)), "rec": kernel_path(clf.model)["fla_configs"],
+                  "gdn": kernel_path(clf.model)["gdn"]}))
+"""
+    pins = tmp_path / "pins.json"
+    outs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", code, str(overlay)], capture_output=True, text=True, timeout=600,
+                              env=dict(os.environ, OPENJEV_FLA_CONFIGS=str(pins),
+                                       PYTHONPATH=f"{REPO / 'app'}:{REPO}"))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    first, second = outs
+    assert first["gdn"] == "fla" and first["rec"]["tuned_here"] and first["rec"]["pinned"] > 0
+    assert not second["rec"]["tuned_here"] and second["rec"]["sha256"] == first["rec"]["sha256"]
+    for out in outs:
+        assert out["rec"]["autotuned_unpinned"] == [] and out["equal"], out
