@@ -90,13 +90,13 @@ if triton is not None:
         tl.store(Y + offs, x * x, mask=m)
 
     @triton.jit
-    def _sumsq_kernel(X, OUT, rows, factor, N: tl.constexpr, VEC: tl.constexpr, ROWS: tl.constexpr):
-        # mean(x.float() ** 2, -1) of [rows, N] contiguous, summed in the order of PyTorch's CUDA
-        # reduce kernel for an inner reduction with >= 16 outputs (block 32 x 16): a warp per row;
-        # lane t keeps 4 accumulators a_i over j = 0, 1, ...: elements 4t + i + 128j when the
-        # input is vectorized (N > 128: float4 loads), t + 32i + 128j when not; the lane's value
-        # is ((a_0 + a_1) + a_2) + a_3; the warp adds lanes pairwise (shfl_down by 1, 2, 4, 8,
-        # 16); the mean is sum * factor (float32 of 1/N, as MeanOps).
+    def _sumsq_kernel(X, OUT, rows, factor, N: tl.constexpr, ROWS: tl.constexpr):
+        # mean(x.float() ** 2, -1) of [rows, N] contiguous (N a multiple of 128), summed in the
+        # order of PyTorch's CUDA reduce kernel for an inner reduction of >= 128 elements with
+        # >= 16 outputs (block 32 x 16, input vectorized by 4): a warp per row; lane t keeps 4
+        # accumulators a_i over j = 0, 1, ... of elements 4t + i + 128j; the lane's value is
+        # ((a_0 + a_1) + a_2) + a_3; the warp adds lane t + 16 to lane t, then t + 8, 4, 2, 1
+        # (shfl_down from the high offset); the mean is sum * factor (float32 of 1/N, MeanOps).
         r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         rm = r < rows
         lane = tl.arange(0, 32)
@@ -106,25 +106,28 @@ if triton is not None:
         a2 = tl.zeros([ROWS, 32], dtype=tl.float32)
         a3 = tl.zeros([ROWS, 32], dtype=tl.float32)
         for j in tl.static_range(N // 128):
-            if VEC:
-                p = base + (4 * lane + 128 * j)[None, :]
-                s = 1
-            else:
-                p = base + (lane + 128 * j)[None, :]
-                s = 32
+            p = base + (4 * lane + 128 * j)[None, :]
             x0 = tl.load(p, mask=rm[:, None], other=0.0).to(tl.float32)
-            x1 = tl.load(p + s, mask=rm[:, None], other=0.0).to(tl.float32)
-            x2 = tl.load(p + 2 * s, mask=rm[:, None], other=0.0).to(tl.float32)
-            x3 = tl.load(p + 3 * s, mask=rm[:, None], other=0.0).to(tl.float32)
+            x1 = tl.load(p + 1, mask=rm[:, None], other=0.0).to(tl.float32)
+            x2 = tl.load(p + 2, mask=rm[:, None], other=0.0).to(tl.float32)
+            x3 = tl.load(p + 3, mask=rm[:, None], other=0.0).to(tl.float32)
             a0 += x0 * x0
             a1 += x1 * x1
             a2 += x2 * x2
             a3 += x3 * x3
         v = ((a0 + a1) + a2) + a3
-        for _ in tl.static_range(5):  # lanes 2p and 2p+1, then pairs of pairs, ...
-            left, right = tl.split(tl.reshape(v, [ROWS, v.shape[1] // 2, 2]))
-            v = left + right
+        v = _add_halves(v, ROWS, 16)  # lane t + lane t+16, t < 16
+        v = _add_halves(v, ROWS, 8)
+        v = _add_halves(v, ROWS, 4)
+        v = _add_halves(v, ROWS, 2)
+        v = _add_halves(v, ROWS, 1)
         tl.store(OUT + r, tl.reshape(v, [ROWS]) * factor, mask=rm)
+
+    @triton.jit
+    def _add_halves(v, ROWS: tl.constexpr, HALF: tl.constexpr):
+        # [ROWS, 2*HALF] -> [ROWS, HALF]: column t plus column t + HALF
+        low, high = tl.split(tl.permute(tl.reshape(v, [ROWS, 2, HALF]), (0, 2, 1)))
+        return low + high
 
     @triton.jit
     def _rms_apply_kernel(X, R, W1, Y, n, cols, BLOCK: tl.constexpr):
@@ -206,7 +209,7 @@ def mean_square(x):
         return None
     out = torch.empty(x.shape[:-1] + (1,), dtype=torch.float32, device=x.device)
     _sumsq_kernel[(triton.cdiv(rows, SUMSQ_ROWS),)](x, out, rows, float(np.float32(1.0) / np.float32(n)), N=n,
-                                                    VEC=n > 128, ROWS=SUMSQ_ROWS)
+                                                    ROWS=SUMSQ_ROWS)
     return out
 
 

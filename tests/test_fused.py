@@ -106,8 +106,8 @@ got = _fused.conv_silu_blc(x.contiguous(), cw)
 want = silu(conv.transpose(1, 2).half().float()).half()
 assert (got.float() - want.float()).abs().max() <= 2e-3 * want.float().abs().max(), "conv+silu off"
 # mean_square: PyTorch's CUDA summation order, written out in numpy float32 (lane t, accumulators
-# a_i over j: elements 4t+i+128j vectorized (N > 128) or t+32i+128j; ((a0+a1)+a2)+a3; lanes added
-# pairwise; times float32(1/N))
+# a_i over j of elements 4t+i+128j; ((a0+a1)+a2)+a3; lane t+16 added to lane t, then t+8, ..., t+1;
+# times float32(1/N))
 def cuda_order_mean(xs):
     xs = xs.float().numpy().reshape(-1, xs.shape[-1])
     rows, n = xs.shape
@@ -118,11 +118,12 @@ def cuda_order_mean(xs):
             acc = [np.float32(0)] * 4
             for j in range(n // 128):
                 for i in range(4):
-                    e = 4 * t + i + 128 * j if n > 128 else t + 32 * i + 128 * j
-                    acc[i] = np.float32(acc[i] + np.float32(xs[r, e]) * np.float32(xs[r, e]))
+                    e = xs[r, 4 * t + i + 128 * j]
+                    acc[i] = np.float32(acc[i] + np.float32(e) * np.float32(e))
             lanes.append(np.float32(np.float32(np.float32(acc[0] + acc[1]) + acc[2]) + acc[3]))
         while len(lanes) > 1:
-            lanes = [np.float32(lanes[k] + lanes[k + 1]) for k in range(0, len(lanes), 2)]
+            half = len(lanes) // 2
+            lanes = [np.float32(lanes[k] + lanes[k + half]) for k in range(half)]
         out[r] = np.float32(lanes[0] * (np.float32(1) / np.float32(n)))
     return torch.from_numpy(out)
 for shape in ((17, 256), (2, 9, 128), (20, 384)):
