@@ -244,6 +244,9 @@ def test_autotuners_are_pinned_to_one_configuration_shared_through_a_file(tmp_pa
     assert data["kind"] == "openjev-fla-configs" and data["device"] == "test"
     assert data["kernels"] == {"pintest_k.double": {"kwargs": {"B": 32}, "num_warps": 2, "num_stages": 3,
                                                     "num_ctas": 1, "maxnreg": None}}
+    check = subprocess.run([sys.executable, str(REPO / "app" / "validate_receipts.py"), str(pins)],
+                           capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0 and "ok (openjev-fla-configs)" in check.stdout, check.stdout + check.stderr
     b = process({"PINTEST_FAVOUR_FIRST": "1"})
     assert b["double"] == [32] and b["timed_while_pinning"] == 0 and b["ok"]
     assert not b["record"]["tuned_here"] and b["record"]["sha256"] == rec["sha256"]
