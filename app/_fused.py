@@ -10,8 +10,10 @@ layout) and three times after it (`reshape` of a transposed view). Each piece he
 float32 arithmetic in the same order, with the same rounding to FP16 at the same points, in one
 pass over memory:
 
-  rms_norm    Qwen3_5RMSNorm: x*x in float32 (exact for FP16 inputs), PyTorch's own `mean` on it
-              (so the reduction order is PyTorch's), then one kernel for (x * rsqrt) * (1 + w).
+  rms_norm    Qwen3_5RMSNorm: the variance mean(x.float() ** 2) summed in one pass over x in the
+              order of PyTorch's CUDA mean (mean_square; where the check finds that order not
+              bitwise, x*x in float32 and PyTorch's own `mean`), then one kernel for
+              (x * rsqrt) * (1 + w).
   gated_norm  Qwen3_5RMSNormGated: the same variance, then one kernel for the FP16 rounding,
               the weight, silu(gate) and the product.
   swiglu      Qwen3_5MLP: silu(gate) rounded to FP16, times up, rounded, in one kernel.

@@ -13,6 +13,10 @@ OPENJEV_KERNELS=auto (default) uses flash-linear-attention where it imports and 
 on a CUDA device; OPENJEV_KERNELS=torch forces Transformers' PyTorch fallback (for comparison).
 Every fallback is logged with its reason.
 
+fla's Triton autotuning is pinned (`pin_fla_configs`, OPENJEV_FLA_CONFIGS): one configuration per
+kernel for every shape, tuned once per machine and kept in a file every process reads, so
+forwards of any shape, and the reference scorer and the server, sum in the same order.
+
 Also here: the FLOP count of a pass (linear layers only) and the fp16 matmul peak measured on
 the device, for the receipts' "compute_bound" block.
 """
@@ -173,21 +177,29 @@ FLA_CONFIGS_KIND = "openjev-fla-configs"
 _PINS: dict = {}  # what pin_autotuners did in this process: record, tuners, original configs
 
 
-def fla_configs_path(device_name: str) -> Path | None:
+def fla_configs_path(device_name: str, shape: str = "") -> Path | None:
     """Where this machine's pinned fla configurations live: $OPENJEV_FLA_CONFIGS, or None when it
-    is "off", else ~/.cache/openjev/fla-configs/GPU-flaVER-tritonVER.json ($XDG_CACHE_HOME
-    respected): one file per GPU model and kernel versions."""
+    is "off", else ~/.cache/openjev/fla-configs/GPU-flaVER-tritonVER[-SHAPE].json ($XDG_CACHE_HOME
+    respected): one file per GPU model, kernel versions and head shape (`shape`, e.g.
+    "h32-k128-v128-float16"), since a configuration is tuned for the dimensions it ran at."""
     chosen = os.environ.get(FLA_CONFIGS_ENV, "")
     if chosen == "off":
         return None
     if chosen:
         return Path(chosen).expanduser()
-    import fla
-    import triton
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(module: str, dist: str) -> str:
+        try:
+            return getattr(sys.modules.get(module), "__version__", None) or version(dist)
+        except PackageNotFoundError:
+            return "none"
 
     gpu = "".join(c if c.isalnum() else "_" for c in device_name).strip("_") or "gpu"
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "openjev" / "fla-configs" / f"{gpu}-fla{fla.__version__}-triton{triton.__version__}.json"
+    name = (f"{gpu}-fla{installed('fla', 'flash-linear-attention')}-triton{installed('triton', 'triton')}"
+            + (f"-{shape}" if shape else ""))
+    return base / "openjev" / "fla-configs" / f"{name}.json"
 
 
 def _autotuners(prefix: str) -> dict:
@@ -228,7 +240,7 @@ def _read_pins(path: Path) -> dict:
         data = json.loads(path.read_text())
         if data.get("kind") != FLA_CONFIGS_KIND or not isinstance(data.get("kernels"), dict):
             raise ValueError(f"kind {data.get('kind')!r}, expected {FLA_CONFIGS_KIND!r} with a kernels table")
-        for name, d in data["kernels"].items():
+        for d in data["kernels"].values():
             _config(d)  # every entry must make a Triton config
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise UserError(f"{path}: not a pinned fla configuration file ({type(exc).__name__}: {exc}); move it "
@@ -289,14 +301,6 @@ def pin_autotuners(prefix: str, path: Path, tune, meta: dict) -> dict:
     return record
 
 
-def unpin_autotuners() -> None:
-    """Give the pinned autotuners their configuration lists back (tests)."""
-    for at, configs in _PINS.get("original", {}).values():
-        at.configs = configs
-        at.cache.clear()
-    _PINS.clear()
-
-
 def pins_record() -> dict | None:
     """The pinning record, with the kernels that tuned themselves since (autotuners that were not
     pinned but ran: their configuration may depend on the shape)."""
@@ -316,10 +320,12 @@ def pin_fla_configs(device: str, heads: int, dk: int, dv: int, dtype: str = "flo
     of 16 long rows (NB 12) ran different configurations, which sum a row in another order.
     Measured on the H200 (results_h200/embedded14/call15-dp-cuts): the least-padding cuts formed forwards
     of up to 24k tokens and the server's logits left the reference's in every pass (max |dp_e|
-    0.00226), also within one process. Tuned once per machine at [4, 1024, heads, dk/dv]."""
+    0.00226), also within one process. Tuned once per machine and head shape at [4, 1024, heads,
+    dk/dv]."""
     import torch
 
-    path = fla_configs_path(torch.cuda.get_device_name(device) if device.startswith("cuda") else device)
+    path = fla_configs_path(torch.cuda.get_device_name(device) if device.startswith("cuda") else device,
+                            f"h{heads}-k{dk}-v{dv}-{dtype}")
     if path is None:
         _PINS.update(record={"requested": "off", "reason": f"{FLA_CONFIGS_ENV}=off: fla autotunes per shape"}, tuners={})
         return _PINS["record"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import json
 import os
 import subprocess
@@ -273,10 +275,16 @@ def test_a_damaged_pins_file_is_a_clear_error_and_is_kept(tmp_path):
 def test_pins_path_from_the_environment(tmp_path):
     code = """
 import _kernels
-print(_kernels.fla_configs_path("NVIDIA H200"))
+print(_kernels.fla_configs_path("NVIDIA H200", "h32-k128-v128-float16"))
 """
     assert run_py(code, {"OPENJEV_FLA_CONFIGS": "off"}).stdout.strip() == "None"
     assert run_py(code, {"OPENJEV_FLA_CONFIGS": str(tmp_path / "p.json")}).stdout.strip() == str(tmp_path / "p.json")
+    # the default names the GPU, the fla and Triton versions (fla: "none" where it is not installed)
+    # and the head shape
+    out = run_py(code, {"OPENJEV_FLA_CONFIGS": "", "XDG_CACHE_HOME": str(tmp_path)}).stdout.strip()
+    fla = importlib.metadata.version("flash-linear-attention") if importlib.util.find_spec("fla") else "none"
+    assert out == (f"{tmp_path}/openjev/fla-configs/NVIDIA_H200-fla{fla}-triton{importlib.metadata.version('triton')}"
+                   "-h32-k128-v128-float16.json"), out
 
 
 @pytest.mark.gpu
