@@ -368,6 +368,21 @@ def _equal_on(fn_a, fn_b, inputs) -> tuple[bool, float]:
     return same, worst
 
 
+def _check_variance(piece: str, width: int, check) -> tuple[bool, float, str]:
+    """A norm piece's check with the one-pass variance and, if that is not bitwise here, again
+    with x*x + torch's mean (ONE_PASS_VARIANCE[piece] left as the check found it); returns the
+    check's (same, worst) and how the variance is summed."""
+    ONE_PASS_VARIANCE[piece] = True
+    same, worst = check()
+    if width % 128:  # mean_square declines this width: the check ran torch's mean
+        return same, worst, f"x*x, then torch.mean (width {width} is not a multiple of 128)"
+    if same:
+        return same, worst, "one pass (PyTorch's CUDA summation order)"
+    ONE_PASS_VARIANCE[piece] = False
+    same, worst = check()
+    return same, worst, "x*x, then torch.mean (the one-pass order was not bitwise here)"
+
+
 def _check_piece(piece: str, model, modeling, device, dtype) -> dict:
     import torch
 
@@ -376,13 +391,12 @@ def _check_piece(piece: str, model, modeling, device, dtype) -> dict:
     def rnd(*shape, scale=1.0):
         return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
 
+    variance = None  # how a norm piece sums its variance
     if piece in MODULE_PIECES:
         suffix, forward, _ = MODULE_PIECES[piece]
         m = _first(model, suffix)
         if m is None or (piece == "swiglu" and not _is_silu(getattr(m, "act_fn", None))):
             return {"used": False, "reason": f"no {suffix} module" + (" with a silu activation" if piece == "swiglu" else "")}
-        if piece in ONE_PASS_VARIANCE:
-            ONE_PASS_VARIANCE[piece] = True
         if piece == "rms_norm":
             ins = [(rnd(b, t, m.weight.shape[0], scale=3.0),) for b, t in CHECK_SHAPES]
         elif piece == "gated_norm":
@@ -390,16 +404,13 @@ def _check_piece(piece: str, model, modeling, device, dtype) -> dict:
             ins = [(rnd(b * t * 4, h), rnd(b * t * 4, h, scale=2.0)) for b, t in CHECK_SHAPES]
         else:
             ins = [(rnd(b, t, m.gate_proj.in_features),) for b, t in CHECK_SHAPES]
-        same, worst = _equal_on(lambda *x: type(m).forward(m, *x), lambda *x: forward(m, *x), ins)
-        variance = None
-        if piece in ONE_PASS_VARIANCE:  # one-pass variance first; if not bitwise here, torch's mean
-            width = ins[0][0].shape[-1]
-            variance = ("one pass (PyTorch's CUDA summation order)" if width % 128 == 0 else
-                        f"x*x, then torch.mean (width {width} is not a multiple of 128)")
-            if not same and width % 128 == 0:
-                ONE_PASS_VARIANCE[piece] = False
-                same, worst = _equal_on(lambda *x: type(m).forward(m, *x), lambda *x: forward(m, *x), ins)
-                variance = "x*x, then torch.mean (the one-pass order was not bitwise here)"
+        def check():
+            return _equal_on(lambda *x: type(m).forward(m, *x), lambda *x: forward(m, *x), ins)
+
+        if piece in ONE_PASS_VARIANCE:
+            same, worst, variance = _check_variance(piece, ins[0][0].shape[-1], check)
+        else:
+            same, worst = check()
     elif piece == "conv_silu":
         m = _first(model, "GatedDeltaNet")
         original = getattr(modeling, "causal_conv1d_fn", None)
@@ -418,7 +429,7 @@ def _check_piece(piece: str, model, modeling, device, dtype) -> dict:
     else:
         raise ValueError(piece)
     out = {"used": same, "bitwise_on_check": same, "check_shapes": [list(s) for s in CHECK_SHAPES]}
-    if piece in ONE_PASS_VARIANCE and same:
+    if variance is not None and same:
         out["variance"] = variance
     if not same:
         out["reason"] = f"not bitwise equal to Transformers' module on this device (max abs diff {worst:.3g})"

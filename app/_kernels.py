@@ -174,7 +174,7 @@ _AUTOTUNE = shared_autotuning()
 # ---------------------------------------------------------------- pinned fla configurations
 FLA_CONFIGS_ENV = "OPENJEV_FLA_CONFIGS"
 FLA_CONFIGS_KIND = "openjev-fla-configs"
-_PINS: dict = {}  # what pin_autotuners did in this process: record, tuners, original configs
+_PINS: dict = {}  # what pin_autotuners did in this process: record, tuners, pinned kernel names
 
 
 def fla_configs_path(device_name: str, shape: str = "") -> Path | None:
@@ -284,18 +284,14 @@ def pin_autotuners(prefix: str, path: Path, tune, meta: dict) -> dict:
             tuned_here = True
             log.info("fla configurations tuned in %.1f s for %d kernels and written to %s",
                      data["tune_seconds"], len(chosen), path)
-    original = _PINS.setdefault("original", {})
-    pinned = []
-    for name, at in tuners.items():
-        if name in data["kernels"]:
-            original.setdefault(name, (at, list(at.configs)))
-            at.configs = [_config(data["kernels"][name])]
-            at.cache.clear()
-            pinned.append(name)
+    pinned = [name for name in tuners if name in data["kernels"]]
+    for name in pinned:
+        tuners[name].configs = [_config(data["kernels"][name])]
+        tuners[name].cache.clear()
     record = {"file": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
               "made_at": data.get("made_at"), "tuned_here": tuned_here, "pinned": len(pinned),
               "autotuners": len(tuners)}
-    _PINS.update(record=record, tuners=tuners)
+    _PINS.update(record=record, tuners=tuners, pinned=set(pinned))
     if not tuned_here:
         log.info("fla configurations pinned from %s (%d kernels)", path, len(pinned))
     return record
@@ -307,7 +303,7 @@ def pins_record() -> dict | None:
     if "record" not in _PINS:
         return None
     rec = dict(_PINS["record"])
-    pinned = _PINS.get("original", {})
+    pinned = _PINS.get("pinned", set())
     rec["autotuned_unpinned"] = sorted(n for n, at in _PINS["tuners"].items() if n not in pinned and at.cache)
     return rec
 
@@ -585,8 +581,9 @@ def warm_up(clf, rows: list[list[int]], forwards: int = 2, padded: bool = False,
 
 
 def warm_fla_shapes(clf, max_rows: int, max_tokens: int) -> dict:
-    """Autotune fla's kernels for every autotune key a forward of at most `max_rows` rows and
-    `max_tokens` padded tokens can produce, so no request pays it. Measured on an H200: fla 0.6.0's
+    """Run fla's kernels for every autotune key a forward of at most `max_rows` rows and
+    `max_tokens` padded tokens can produce, so no request pays the autotuning (or, with pinned
+    configurations, pin_fla_configs, only the compilation). Measured on an H200: fla 0.6.0's
     l2norm kernel keys its autotune on NB = ceil(rows x length x heads / 65536) (25 configs compiled
     for every new NB, about 10 s) and its chunk cumsum on the batch size, so padded batches of new
     shapes stalled passes by 9 s. Nothing here is kept but Triton's caches."""

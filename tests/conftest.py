@@ -36,10 +36,12 @@ for p in (str(APP), str(REPO)):  # unit tests import app modules and sglang_open
         sys.path.insert(0, p)
 
 
-def run_py(code: str, env_extra: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python -c CODE` with app/ and the repository on PYTHONPATH (a fresh process: its own kernel binding)."""
-    env = dict(os.environ, PYTHONPATH=f"{REPO / 'app'}:{REPO}", **(env_extra or {}))
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout)
+def run_py(code: str, env_extra: dict | None = None, timeout: float = 300, args=()) -> subprocess.CompletedProcess:
+    """`python -c CODE ARGS...` with app/ and the repository on PYTHONPATH (env_extra may set its own)
+    (a fresh process: its own kernel binding)."""
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'app'}:{REPO}", **(env_extra or {})}
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, env=env,
+                          timeout=timeout)
 
 
 def run_script(script: str, *args, env: dict | None = None, timeout: float = 300, check: bool = False,

@@ -221,6 +221,11 @@ print(json.dumps({"record": _kernels.pins_record(), "timed_while_pinning": timed
 '''
 
 
+def pin_env(tmp_path, extra=None) -> dict:
+    """Triton's interpreter, and app/ plus the test's kernel module (pintest_k) on the path."""
+    return {"TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO / 'app'}:{tmp_path}", **(extra or {})}
+
+
 @pytest.mark.skipif(triton_missing is not None, reason=triton_missing or "")
 def test_autotuners_are_pinned_to_one_configuration_shared_through_a_file(tmp_path):
     """pin_autotuners on a two-configuration kernel under Triton's interpreter (timings from a
@@ -231,9 +236,7 @@ def test_autotuners_are_pinned_to_one_configuration_shared_through_a_file(tmp_pa
     pins = tmp_path / "cache" / "pins.json"
 
     def process(extra=None):
-        env = {"TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO / 'app'}:{tmp_path}", **(extra or {})}
-        proc = subprocess.run([sys.executable, "-c", PIN_RUN, str(pins)], capture_output=True, text=True,
-                              env=dict(os.environ, **env), timeout=300)
+        proc = run_py(PIN_RUN, pin_env(tmp_path, extra), args=[pins])
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -263,9 +266,7 @@ def test_a_damaged_pins_file_is_a_clear_error_and_is_kept(tmp_path):
     for text in ("{not json", json.dumps({"kind": "something-else", "kernels": {}}),
                  json.dumps({"kind": "openjev-fla-configs", "kernels": {"pintest_k.double": {"kwargs": {}}}})):
         pins.write_text(text)
-        proc = subprocess.run([sys.executable, "-c", PIN_RUN, str(pins)], capture_output=True, text=True,
-                              env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{REPO / 'app'}:{tmp_path}"),
-                              timeout=300)
+        proc = run_py(PIN_RUN, pin_env(tmp_path), args=[pins])
         assert proc.returncode == 0, proc.stderr[-3000:]
         err = json.loads(proc.stdout.strip().splitlines()[-1])["error"]
         assert err.startswith(f"{pins}: not a pinned fla configuration file") and "OPENJEV_FLA_CONFIGS=off" in err
@@ -305,15 +306,13 @@ from _kernels import kernel_path
 clf = load_classifier(sys.argv[1], device="cuda")
 rows = [[(11 * i + 5 * j) % clf.vocab_size for i in range(1100 + 7 * j)] for j in range(16)]
 ex, pd = score_exact(clf, rows), score_padded(clf, rows)
-print(json.dumps({"equal": bool(np.array_equal(ex, pd)), "rec": kernel_path(clf.model)["fla_configs"],
-                  "gdn": kernel_path(clf.model)["gdn"]}))
+kp = kernel_path(clf.model)
+print(json.dumps({"equal": bool(np.array_equal(ex, pd)), "rec": kp["fla_configs"], "gdn": kp["gdn"]}))
 """
     pins = tmp_path / "pins.json"
     outs = []
     for _ in range(2):
-        proc = subprocess.run([sys.executable, "-c", code, str(overlay)], capture_output=True, text=True, timeout=600,
-                              env=dict(os.environ, OPENJEV_FLA_CONFIGS=str(pins),
-                                       PYTHONPATH=f"{REPO / 'app'}:{REPO}"))
+        proc = run_py(code, {"OPENJEV_FLA_CONFIGS": str(pins)}, timeout=600, args=[overlay])
         assert proc.returncode == 0, proc.stderr[-3000:]
         outs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     first, second = outs
