@@ -35,14 +35,17 @@ from _common import LABELS, REPO_ROOT, UserError, atomic_write_json, run_main, u
 
 SAMPLE = REPO_ROOT / "data" / "nli_sample.jsonl"
 
-# Text-backbone shapes. "qwen3.5-4b" follows the published Qwen3.5-4B text config.
+# Text-backbone shapes. "qwen3.5-4b" follows the published Qwen3.5-4B text config. Every shape carries
+# full_attention_interval beside layer_types, as the published Qwen3.5 configs do (SGLang reads the
+# interval, Transformers layer_types; a config built from keyword arguments keeps the interval only
+# when given).
 SHAPES: dict[str, dict] = {
     "tiny": dict(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
         linear_conv_kernel_dim=4, max_position_embeddings=32768, tie_word_embeddings=True,
-        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        layer_types=["linear_attention"] * 3 + ["full_attention"], full_attention_interval=4,
     ),
     # As tiny, with the linear-attention (GDN) key/value head dim 64: sgl-kernel's CPU GDN kernels
     # accept head dims 64 and 128 only, so SGLang's CPU engine runs this one (issue 17).
@@ -58,7 +61,7 @@ SHAPES: dict[str, dict] = {
         num_attention_heads=16, num_key_value_heads=4, head_dim=256,
         linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
         linear_conv_kernel_dim=4, max_position_embeddings=262144, tie_word_embeddings=True,
-        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 8,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 8, full_attention_interval=4,
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
     ),
 }

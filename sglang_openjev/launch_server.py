@@ -9,10 +9,21 @@ parses its arguments:
    `Qwen3_5ForSequenceClassification` architecture from this package;
 2. checks the checkpoint's config.json (local directories): architecture
    `Qwen3_5ForSequenceClassification`, model_type `qwen3_5`, 3 labels in
-   contradiction/entailment/neutral order, a text_config.full_attention_interval that agrees
-   with layer_types (SGLang builds the hybrid layout from the interval);
+   contradiction/entailment/neutral order, a hybrid layout SGLang builds as Transformers does.
+   SGLang derives the layout from text_config.full_attention_interval alone; a config that has
+   only layer_types (as Transformers writes one built from keyword arguments) gets the interval
+   that layer_types follows through `--json-model-override-args` on SGLang >= 0.5.23, which
+   merges a text_config override; older versions refuse it with the key to add;
 3. adds `--is-embedding` when missing (the architecture is not in SGLang's hard-coded list of
-   embedding models, so SGLang would otherwise treat it as a generator);
+   embedding models, so SGLang would otherwise treat it as a generator), and sets, for every
+   SGLang process:
+   - `SGLANG_EXTERNAL_MM_PROCESSOR_PACKAGE=sglang_openjev.mm_processors`: SGLang counts the
+     Qwen3.5 config as multimodal and looks up a processor by architecture; the package maps the
+     adapter's architecture to SGLang's Qwen3.5 processor;
+   - `SGLANG_MAMBA_CONV_DTYPE` to the serving dtype (SGLang's default conv-state pool is
+     bfloat16 whatever --dtype says; a float16 model then fails on its first cached request);
+   - `SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python` where SGLang's bundled Rust tree core was
+     built for another torch than the one installed (it crashes the scheduler, not refuses);
 4. registers the architecture in SGLang's linear-attention model registry, so `ServerArgs`
    applies the same mamba radix-cache handling as for `Qwen3_5ForConditionalGeneration`
    (extra_buffer/no_buffer checks, page size, overlap schedule);
@@ -35,7 +46,9 @@ prefix cache still on). Every such step is one WARNING/INFO line in the log and 
 
 Environment read: OPENJEV_MAX_BATCH_SIZE (default 512), OPENJEV_ARCH_PROFILE (shown in
 /server_info), OPENJEV_BUNDLE_REVISION (optional, shown in /server_info when the bundle is no
-git checkout). Exit status: SGLang's; 1 with one line on stderr when this launcher refuses.
+git checkout); an operator's own SGLANG_MAMBA_CONV_DTYPE or SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND
+is kept where it can run and refused where it cannot. Exit status: SGLang's; 1 with one line on
+stderr when this launcher refuses.
 """
 
 from __future__ import annotations
@@ -61,6 +74,15 @@ ARCHITECTURES = ("Qwen3_5ForSequenceClassification",)
 MODEL_TYPE = "qwen3_5"
 GDN_BACKEND = "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend"
 EXTERNAL_PACKAGE_ENV = "SGLANG_EXTERNAL_MODEL_PACKAGE"
+MM_PROCESSOR_ENV = "SGLANG_EXTERNAL_MM_PROCESSOR_PACKAGE"
+MM_PROCESSOR_PACKAGE = "sglang_openjev.mm_processors"
+CONV_DTYPE_ENV = "SGLANG_MAMBA_CONV_DTYPE"
+TREE_CORE_ENV = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
+RUST_BUILD_MODE_ENV = "SGLANG_RUST_BUILD_MODE"
+OVERRIDE_FLAG = "--json-model-override-args"
+# Stock SGLang from this release merges a text_config override into the sub-config; older ones
+# replace the sub-config with the dict.
+NESTED_OVERRIDE_SINCE = (0, 5, 23)
 RUNTIME_ENV = "OPENJEV_SGLANG_RUNTIME"        # e.g. stock-0.5.14 or fork-0.5.13 (set by serve_sglang_v100.sh)
 ADAPTATIONS_ENV = "OPENJEV_LAUNCH_ADAPTATIONS"  # JSON list of what was adapted to this version
 FORK_MARKER = "tilelang_fa_v100"              # the fork's SM70 attention backend, absent in stock SGLang
@@ -79,11 +101,12 @@ class LaunchError(Exception):
 
 # ---------------------------------------------------------------- pure steps
 def prepare_environment(environ: MutableMapping[str, str]) -> None:
-    current = environ.get(EXTERNAL_PACKAGE_ENV)
-    if current and current != PACKAGE:
-        raise LaunchError(f"{EXTERNAL_PACKAGE_ENV}={current}, but this launcher serves the {PACKAGE} package; "
-                          "unset it or set it to sglang_openjev")
-    environ[EXTERNAL_PACKAGE_ENV] = PACKAGE
+    for name, value in ((EXTERNAL_PACKAGE_ENV, PACKAGE), (MM_PROCESSOR_ENV, MM_PROCESSOR_PACKAGE)):
+        current = environ.get(name)
+        if current and current != value:
+            raise LaunchError(f"{name}={current}, but this launcher serves the {PACKAGE} package; "
+                              f"unset it or set it to {value}")
+        environ[name] = value
     parts = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if PACKAGE_ROOT not in parts:
         environ["PYTHONPATH"] = os.pathsep.join([PACKAGE_ROOT, *parts])
@@ -107,8 +130,9 @@ def with_embedding_flag(argv: Sequence[str]) -> list[str]:
     return argv
 
 
-def check_checkpoint_config(config: Mapping) -> None:
-    """Refuse a config this adapter cannot serve, with the reason."""
+def check_checkpoint_config(config: Mapping) -> Optional[int]:
+    """Refuse a config this adapter cannot serve, with the reason. Returns the full-attention
+    interval SGLang must be given when the config has layer_types only, else None."""
     archs = list(config.get("architectures") or [])
     if not archs or archs[0] not in ARCHITECTURES:
         raise LaunchError(f"config.json architectures is {archs}; this adapter serves {list(ARCHITECTURES)} "
@@ -119,41 +143,50 @@ def check_checkpoint_config(config: Mapping) -> None:
             f"config.json model_type is {model_type!r}, expected {MODEL_TYPE!r} (the multimodal Qwen3.5 config "
             "with text_config); SGLang registers no 'qwen3_5_text' config class, so a text-only checkpoint would "
             "not get the hybrid GDN state pools")
-    check_hybrid_layout(config.get("text_config") or {})
+    interval = check_hybrid_layout(config.get("text_config") or {})
     num_labels = config.get("num_labels", len(config.get("id2label") or {}) or None)
     try:
         contract.check_label_order(config.get("id2label"), num_labels)
     except ValueError as exc:
         raise LaunchError(f"config.json: {exc}") from None
+    return interval
 
 
-def check_hybrid_layout(text_config: Mapping) -> None:
-    """SGLang (0.5.12-0.5.14, `configs/qwen3_next.py`) derives which layers are full attention from
-    text_config.full_attention_interval alone and ignores layer_types; a config without the
-    interval fails at model construction, one whose layer_types disagree builds the wrong model."""
+def interval_layout(interval: int, layers: int) -> list[str]:
+    """The layer layout SGLang builds from full_attention_interval (`configs/qwen3_next.py`)."""
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+
+
+def check_hybrid_layout(text_config: Mapping) -> Optional[int]:
+    """SGLang derives which layers are full attention from text_config.full_attention_interval alone
+    and ignores layer_types; Transformers reads layer_types. Returns the interval SGLang must be
+    given when the config has layer_types only (None when it has the interval); refuses a layout
+    SGLang cannot build."""
     interval = text_config.get("full_attention_interval")
-    layer_types = text_config.get("layer_types")
+    layer_types = list(text_config.get("layer_types") or [])
+    if interval is None and layer_types:
+        first = layer_types.index("full_attention") + 1 if "full_attention" in layer_types else 0
+        if first and layer_types == interval_layout(first, len(layer_types)):
+            return first
+        raise LaunchError("config.json text_config has no full_attention_interval and its layer_types is not a "
+                          "full-attention layer every N layers, the only layout SGLang builds")
     if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
-        hint = ""
-        if layer_types and "full_attention" in layer_types:
-            first = layer_types.index("full_attention") + 1
-            hint = f" (layer_types suggests {first})"
-        raise LaunchError("config.json text_config has no full_attention_interval, from which SGLang derives the "
-                          f"hybrid layer layout{hint}; the base Qwen/Qwen3.5 config carries it, add it back")
-    if layer_types:
-        derived = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(len(layer_types))]
-        if list(layer_types) != derived:
-            raise LaunchError(f"config.json text_config.layer_types does not follow full_attention_interval={interval}; "
-                              "SGLang would build a different layer layout than Transformers")
+        raise LaunchError("config.json text_config has neither layer_types nor a positive integer "
+                          "full_attention_interval, from which SGLang derives the hybrid layer layout")
+    if layer_types and layer_types != interval_layout(interval, len(layer_types)):
+        raise LaunchError(f"config.json text_config.layer_types does not follow full_attention_interval={interval}; "
+                          "SGLang would build a different layer layout than Transformers")
+    return None
 
 
-def preflight_checkpoint(model_path: Optional[str]) -> None:
+def preflight_checkpoint(model_path: Optional[str]) -> Optional[dict]:
+    """The checkpoint's config.json, checked (None when the model is not a local directory)."""
     if not model_path:
-        return  # SGLang reports the missing --model-path itself
+        return None  # SGLang reports the missing --model-path itself
     path = Path(model_path).expanduser()
     if not path.is_dir():
         logger.warning("%s is not a local directory; skipping the label-order preflight", model_path)
-        return
+        return None
     cfg = path / "config.json"
     try:
         config = json.loads(cfg.read_text())
@@ -161,7 +194,10 @@ def preflight_checkpoint(model_path: Optional[str]) -> None:
         raise LaunchError(f"{cfg} not found: CHECKPOINT must be a Transformers model directory") from None
     except (OSError, json.JSONDecodeError) as exc:
         raise LaunchError(f"cannot read {cfg}: {exc}") from None
+    if not isinstance(config, dict):
+        raise LaunchError(f"{cfg} is not a JSON object")
     check_checkpoint_config(config)
+    return config
 
 
 def check_server_args(server_args) -> None:
@@ -253,6 +289,157 @@ def runtime_line(value: str = "") -> str:
     return " ".join(x for x in (runtime.label, runtime.dialect, runtime.note) if x)
 
 
+def flag_value(argv: Sequence[str], flag: str) -> tuple[Optional[int], Optional[str]]:
+    """(index of the argument holding FLAG's value, value) for `FLAG VALUE` or `FLAG=VALUE`, the last one given."""
+    found: tuple[Optional[int], Optional[str]] = (None, None)
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            found = (i + 1, argv[i + 1])
+        elif arg.startswith(flag + "="):
+            found = (i, arg.split("=", 1)[1])
+    return found
+
+
+def with_layout_override(argv: Sequence[str], interval: int, runtime: Optional[Runtime]) -> tuple[list[str], str]:
+    """argv with text_config.full_attention_interval=INTERVAL in --json-model-override-args (merged
+    into an operator's own override). Returns (argv, note)."""
+    release = _release(runtime.version) if runtime is not None else None
+    if runtime is None or runtime.flavor != "stock" or release is None or release < NESTED_OVERRIDE_SINCE:
+        which = runtime.label if runtime is not None else "this SGLang"
+        raise LaunchError(f"config.json text_config has layer_types but no full_attention_interval; {which} builds "
+                          f"the hybrid layout from that key alone: add \"full_attention_interval\": {interval} to "
+                          "text_config (the base Qwen/Qwen3.5 config carries it), or serve with stock SGLang >= "
+                          f"{'.'.join(map(str, NESTED_OVERRIDE_SINCE))}, where this launcher passes it")
+    argv = list(argv)
+    index, value = flag_value(argv, OVERRIDE_FLAG)
+    try:
+        override = json.loads(value) if value else {}
+    except json.JSONDecodeError as exc:
+        raise LaunchError(f"{OVERRIDE_FLAG} is not valid JSON: {exc}") from None
+    if not isinstance(override, dict) or not isinstance(override.get("text_config", {}), dict):
+        raise LaunchError(f"{OVERRIDE_FLAG} must be a JSON object whose text_config is an object")
+    text = dict(override.get("text_config", {}))
+    given = text.get("full_attention_interval", interval)
+    if given != interval:
+        raise LaunchError(f"{OVERRIDE_FLAG} sets text_config.full_attention_interval={given}, but the checkpoint's "
+                          f"layer_types follow {interval}")
+    text["full_attention_interval"] = interval
+    encoded = json.dumps({**override, "text_config": text}, separators=(",", ":"))
+    if index is None:
+        argv += [OVERRIDE_FLAG, encoded]
+    else:
+        argv[index] = encoded if argv[index] == value else f"{OVERRIDE_FLAG}={encoded}"
+    return argv, (f"text_config.full_attention_interval={interval} passed in {OVERRIDE_FLAG}: the checkpoint has "
+                  "layer_types only, and SGLang builds the hybrid layout from the interval")
+
+
+DTYPE_NAMES = {"float16": "float16", "half": "float16", "fp16": "float16", "bfloat16": "bfloat16",
+               "float32": "float32", "float": "float32", "fp32": "float32"}
+
+
+def serving_dtype(argv: Sequence[str], config: Optional[Mapping]) -> Optional[str]:
+    """The dtype SGLang will run the model in: --dtype, or for `auto` the checkpoint's dtype with
+    float32 (or none) served as float16, as SGLang's `_get_and_verify_dtype` does. None when unknown."""
+    _, given = flag_value(argv, "--dtype")
+    given = (given or "auto").lower()
+    if given != "auto":
+        return DTYPE_NAMES.get(given)
+    if config is None:
+        return None
+    text = config.get("text_config") or {}
+    stored = DTYPE_NAMES.get(str(config.get("dtype") or config.get("torch_dtype") or text.get("dtype")
+                                 or text.get("torch_dtype") or "float32").lower())
+    return "float16" if stored in (None, "float32") else stored
+
+
+def state_dtype_environment(environ: MutableMapping[str, str], dtype: Optional[str]) -> Optional[str]:
+    """SGLANG_MAMBA_CONV_DTYPE = the serving dtype: SGLang's conv-state pool defaults to bfloat16 and
+    is written with the model's activations. Refuses an operator's value that differs. Returns a note."""
+    current = environ.get(CONV_DTYPE_ENV)
+    if dtype is None:
+        return None if current else f"{CONV_DTYPE_ENV} left to SGLang: the serving dtype is not known before start"
+    if current:
+        if DTYPE_NAMES.get(current.lower()) != dtype:
+            raise LaunchError(f"{CONV_DTYPE_ENV}={current}, but the model is served in {dtype}: SGLang writes the "
+                              f"conv states with the model's activations, so they must match; unset it or set {dtype}")
+        return None
+    environ[CONV_DTYPE_ENV] = dtype
+    return f"{CONV_DTYPE_ENV}={dtype}: the conv-state pool in the serving dtype (SGLang's default is bfloat16)"
+
+
+def _torch_release(version: str) -> Optional[tuple[int, int]]:
+    match = re.match(r"^(\d+)\.(\d+)", version)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def bundled_tree_core_torch() -> tuple[Optional[str], Optional[str]]:
+    """(torch version the installed SGLang pins, i.e. the one its bundled Rust tree core was built
+    against; installed torch version), read without importing either. (None, _) when this SGLang
+    bundles no Rust tree core or pins no exact torch."""
+    try:
+        torch_version: Optional[str] = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = None
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        return None, torch_version
+    folder = Path(list(spec.submodule_search_locations)[0]) / "srt" / "mem_cache" / "rust_tree_core"
+    if not any(folder.glob("mem_cache*.so")):
+        return None, torch_version
+    try:
+        requires = importlib.metadata.requires("sglang") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None, torch_version
+    for line in requires:
+        match = re.match(r"^torch\s*==\s*([0-9][^;\s]*)\s*(;.*)?$", line.strip())
+        if match and not match.group(2):
+            return match.group(1), torch_version
+    return None, torch_version
+
+
+def tree_core_environment(environ: MutableMapping[str, str], built_for: Optional[str],
+                          installed: Optional[str]) -> Optional[str]:
+    """Choose SGLang's Python radix tree core where its bundled Rust one was built for another torch
+    (loading it under a different torch crashes the scheduler at the first cached request).
+    Refuses an explicit rust choice then. Returns a note."""
+    if built_for is None or installed is None or environ.get(RUST_BUILD_MODE_ENV) == "force":
+        return None  # nothing bundled, or SGLang rebuilds it against the installed torch
+    if _torch_release(built_for) == _torch_release(installed):
+        return None
+    chosen = environ.get(TREE_CORE_ENV)
+    if chosen == "rust":
+        raise LaunchError(f"{TREE_CORE_ENV}=rust, but SGLang's bundled Rust tree core was built for torch {built_for} "
+                          f"and torch {installed} is installed (it would crash, not refuse): unset it, set python, or "
+                          f"install torch {built_for}")
+    if chosen:
+        return None
+    environ[TREE_CORE_ENV] = "python"
+    return (f"{TREE_CORE_ENV}=python: SGLang's bundled Rust radix tree core was built for torch {built_for}, "
+            f"torch {installed} is installed")
+
+
+def prepare_launch(argv: Sequence[str], environ: MutableMapping[str, str]) -> tuple[list[str], list[str]]:
+    """Everything before SGLang is imported: environment, checkpoint preflight, --is-embedding, the
+    layout override and the state and tree-core choices. Returns (argv, notes)."""
+    prepare_environment(environ)
+    config = preflight_checkpoint(model_path_from_argv(argv))
+    argv = with_embedding_flag(argv)
+    notes: list[str] = []
+    interval = check_checkpoint_config(config) if config is not None else None
+    if interval is not None:
+        try:
+            runtime: Optional[Runtime] = detect_runtime()
+        except LaunchError:
+            runtime = None
+        argv, note = with_layout_override(argv, interval, runtime)
+        notes.append(note)
+    for note in (state_dtype_environment(environ, serving_dtype(argv, config)),
+                 tree_core_environment(environ, *bundled_tree_core_torch())):
+        if note:
+            notes.append(note)
+    return argv, notes
+
+
 def adapt_extra_buffer(server_args_cls: Any, spec_fields: Sequence[str]) -> tuple[bool, Optional[str]]:
     """Make this SGLang admit extra_buffer for the adapter's architecture where it can.
 
@@ -282,15 +469,9 @@ def adapt_extra_buffer(server_args_cls: Any, spec_fields: Sequence[str]) -> tupl
 
 def strategy_flag(argv: Sequence[str]) -> tuple[Optional[int], Optional[str]]:
     """(index of the strategy's value in argv, value) for --mamba-radix-cache-strategy or
-    --mamba-scheduler-strategy (either spelling, `FLAG VALUE` or `FLAG=VALUE`)."""
-    found: tuple[Optional[int], Optional[str]] = (None, None)
-    for i, arg in enumerate(argv):
-        for flag in ("--mamba-radix-cache-strategy", "--mamba-scheduler-strategy"):
-            if arg == flag and i + 1 < len(argv):
-                found = (i + 1, argv[i + 1])
-            elif arg.startswith(flag + "="):
-                found = (i, arg.split("=", 1)[1])
-    return found
+    --mamba-scheduler-strategy (either spelling, `FLAG VALUE` or `FLAG=VALUE`), the last one given."""
+    given = [flag_value(argv, f) for f in ("--mamba-radix-cache-strategy", "--mamba-scheduler-strategy")]
+    return max((g for g in given if g[0] is not None), key=lambda g: g[0], default=(None, None))
 
 
 def closest_without_extra_buffer(argv: Sequence[str]) -> tuple[list[str], Optional[str]]:
@@ -329,7 +510,7 @@ def register_hybrid_architectures() -> list[str]:
     return wanted
 
 
-def adapt_to_runtime(argv: Sequence[str], environ: MutableMapping[str, str]
+def adapt_to_runtime(argv: Sequence[str], environ: MutableMapping[str, str], earlier: Sequence[str] = ()
                      ) -> tuple[list[str], list[str], Optional[Runtime]]:
     """Step 4 and the version adaptations, in the process that builds ServerArgs (imports sglang).
 
@@ -340,7 +521,7 @@ def adapt_to_runtime(argv: Sequence[str], environ: MutableMapping[str, str]
     from sglang.srt.configs.linear_attn_model_registry import LinearAttnModelSpec
     from sglang.srt.server_args import ServerArgs
 
-    adaptations: list[str] = []
+    adaptations: list[str] = list(earlier)
     runtime: Optional[Runtime] = None
     try:
         runtime = detect_runtime()
@@ -373,11 +554,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
             sys.exit(1)
         return
+    notes: list[str] = []
     try:
-        prepare_environment(os.environ)
-        if not wants_help(argv):
-            preflight_checkpoint(model_path_from_argv(argv))
-            argv = with_embedding_flag(argv)
+        if wants_help(argv):
+            prepare_environment(os.environ)
+        else:
+            argv, notes = prepare_launch(argv, os.environ)
     except LaunchError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
@@ -388,7 +570,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         load_plugins = None
     if load_plugins is not None:
         load_plugins()
-    argv, adaptations, runtime = adapt_to_runtime(argv, os.environ)
+    argv, adaptations, runtime = adapt_to_runtime(argv, os.environ, notes)
     # Plain stderr lines (SGLang configures logging itself later): the journal shows them at start.
     print(f"{PROG}: SGLang {runtime.label if runtime else 'of unknown version'}, "
           f"{runtime.dialect if runtime else 'unknown'} flag dialect", file=sys.stderr, flush=True)

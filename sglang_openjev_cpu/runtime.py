@@ -41,11 +41,9 @@ What SGLang 0.5.23 on CPU needs besides the ops, done here at run time (no insta
     `amx_utils._init_amx_conv_state`) only on its AMX path; otherwise the kernel re-strides the
     slot view it is given in place on every call, scrambling the stored history: `MambaPool` gets
     that layout on the non-AMX path too.
-  * SGLang 0.5.23 counts a Qwen3.5 config (it has a vision_config) as multimodal, and its tokenizer
-    manager then needs a multimodal processor registered for the checkpoint's architecture; SGLang
-    registers one for Qwen3_5ForConditionalGeneration only (and refuses --language-model-only for
-    other architectures): `import_processors` also maps the adapter's architecture to that class.
-    The checkpoint needs the processor configs (preprocessor_config.json, ...) as the base model has.
+  * The multimodal processor for the adapter's architecture comes from the launcher on every device
+    (`sglang_openjev.mm_processors`); the checkpoint needs the processor configs
+    (preprocessor_config.json, ...) as the base model has.
   * `--max-mamba-cache-size` and the other CPU defaults: serve.py.
 
 `install()` runs in every process: serve.py calls it at import of the `__main__` module, which
@@ -73,11 +71,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 LAYERNORM_GATED = "sglang.kernels.ops.attention.fla.layernorm_gated"
 QWEN3_5 = "sglang.srt.models.qwen3_5"
 SGL_UTILS_COMMON = "sglang.srt.utils.common"
-MM_PROCESSOR = "sglang.srt.managers.multimodal_processor"
 MEMORY_POOL = "sglang.srt.mem_cache.memory_pool"
-ADAPTER_ARCH = "Qwen3_5ForSequenceClassification"
 CONV_OPS = ("causal_conv1d_fwd_cpu", "causal_conv1d_update_cpu")
-BASE_ARCH = "Qwen3_5ForConditionalGeneration"
 
 
 
@@ -272,34 +267,6 @@ def _patch_utils_common(module) -> Optional[str]:
     return None
 
 
-def _map_adapter_processor(mapping) -> Optional[str]:
-    by_name = {cls.__name__: proc for cls, proc in mapping.items()}
-    if ADAPTER_ARCH in by_name or BASE_ARCH not in by_name:
-        return None
-    from sglang_openjev.qwen3_5_classification import Qwen3_5ForSequenceClassification
-
-    mapping[Qwen3_5ForSequenceClassification] = by_name[BASE_ARCH]
-    return f"multimodal processor for {ADAPTER_ARCH}: {by_name[BASE_ARCH].__name__} (as {BASE_ARCH})"
-
-
-def _patch_mm_processor(module) -> Optional[str]:
-    original = getattr(module, "import_processors", None)
-    if original is None or hasattr(original, "openjev_wraps"):
-        return None
-
-    def import_processors(package_name, overwrite=False):
-        result = original(package_name, overwrite)
-        note = _map_adapter_processor(module.PROCESSOR_MAPPING)
-        if note:
-            applied.append(note)
-            _say(note)
-        return result
-
-    import_processors.openjev_wraps = original
-    module.import_processors = import_processors
-    return "multimodal_processor.import_processors also maps the adapter's architecture"
-
-
 def _patch_memory_pool(module) -> Optional[str]:
     pool_cls = getattr(module, "MambaPool", None)
     if pool_cls is None or hasattr(pool_cls.__init__, "openjev_wraps") or not _is_cpu_engine():
@@ -325,7 +292,6 @@ PATCHES: dict[str, tuple[Optional[Callable[[], None]], Callable]] = {
     SGL_UTILS_COMMON: (None, _patch_utils_common),
     LAYERNORM_GATED: (None, _patch_layernorm_gated),
     QWEN3_5: (_before_qwen3_5, _patch_qwen3_5),
-    MM_PROCESSOR: (None, _patch_mm_processor),
     MEMORY_POOL: (None, _patch_memory_pool),
 }
 applied: list[str] = []

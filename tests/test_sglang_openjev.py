@@ -22,6 +22,7 @@ Three layers:
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import importlib.util
 import json
 import math
@@ -221,7 +222,10 @@ def test_argv_steps():
     ({"model_type": "qwen3_5_text"}, "qwen3_5_text"),
     ({"id2label": {"0": "entailment", "1": "neutral", "2": "contradiction"}}, "expected id2label"),
     ({"id2label": {"0": "a", "1": "b"}}, "3-label"),
-    ({"text_config": {"layer_types": ["linear_attention", "full_attention"]}}, r"no full_attention_interval.*suggests 2"),
+    ({"text_config": {"layer_types": ["linear_attention", "full_attention", "full_attention"]}},
+     "no full_attention_interval and its layer_types is not"),
+    ({"text_config": {"layer_types": ["linear_attention"] * 4}}, "no full_attention_interval and its layer_types"),
+    ({"text_config": {}}, "neither layer_types nor"),
     ({"text_config": {"full_attention_interval": 4, "layer_types": ["linear_attention", "full_attention"] * 2}},
      "does not follow full_attention_interval=4"),
 ])
@@ -229,6 +233,116 @@ def test_checkpoint_config_refusals(change, message):
     launch_server.check_checkpoint_config(good_config())
     with pytest.raises(launch_server.LaunchError, match=message):
         launch_server.check_checkpoint_config({**good_config(), **change})
+
+
+def tiny_model_config(shape: str, interval: bool = True) -> dict:
+    """config.json of app/make_tiny_model.py's SHAPE as save_pretrained writes it (no weights built);
+    without INTERVAL, as Transformers writes a config built from layer_types alone."""
+    sys.path.insert(0, str(REPO / "app"))
+    try:
+        import make_tiny_model
+    finally:
+        sys.path.remove(str(REPO / "app"))
+    config = make_tiny_model.build_config(shape, 0, 1).to_dict()
+    config["architectures"] = ["Qwen3_5ForSequenceClassification"]
+    if not interval:
+        config["text_config"].pop("full_attention_interval")
+    return config
+
+
+def tiny_model_shapes() -> list[str]:
+    sys.path.insert(0, str(REPO / "app"))
+    try:
+        import make_tiny_model
+    finally:
+        sys.path.remove(str(REPO / "app"))
+    return sorted(make_tiny_model.SHAPES)
+
+
+STOCK_0_5_23 = launch_server.Runtime("stock", "0.5.23", "0.5.14")
+
+
+@pytest.mark.parametrize("shape", tiny_model_shapes())
+def test_every_tiny_model_shape_passes_the_launcher_preflight(shape):
+    """make_tiny_model writes the interval as the published configs do; without it (Transformers keeps only
+    layer_types for a config built from keyword arguments) the launcher derives it and passes it on."""
+    config = tiny_model_config(shape)
+    assert launch_server.check_checkpoint_config(config) is None
+    layer_types = config["text_config"]["layer_types"]
+    assert launch_server.interval_layout(config["text_config"]["full_attention_interval"], len(layer_types)) == layer_types
+    interval = launch_server.check_checkpoint_config(tiny_model_config(shape, interval=False))
+    assert launch_server.interval_layout(interval, len(layer_types)) == layer_types
+    argv, note = launch_server.with_layout_override(["--model-path", "/m"], interval, STOCK_0_5_23)
+    assert json.loads(argv[argv.index("--json-model-override-args") + 1]) == {
+        "text_config": {"full_attention_interval": interval}}
+    assert "layer_types only" in note
+
+
+def test_layout_override_merges_with_the_operators_and_refuses_a_conflict():
+    given = ["--json-model-override-args", '{"max_position_embeddings": 4096, "text_config": {"rms_norm_eps": 1e-5}}']
+    argv, _ = launch_server.with_layout_override(given, 4, STOCK_0_5_23)
+    assert json.loads(argv[1]) == {"max_position_embeddings": 4096,
+                                   "text_config": {"rms_norm_eps": 1e-5, "full_attention_interval": 4}}
+    argv, _ = launch_server.with_layout_override(['--json-model-override-args={"a": 1}'], 4, STOCK_0_5_23)
+    assert argv == ['--json-model-override-args={"a":1,"text_config":{"full_attention_interval":4}}']
+    for bad, message in (('{"text_config": {"full_attention_interval": 2}}', "layer_types follow 4"),
+                         ("[1]", "JSON object"), ("{", "not valid JSON")):
+        with pytest.raises(launch_server.LaunchError, match=message):
+            launch_server.with_layout_override(["--json-model-override-args", bad], 4, STOCK_0_5_23)
+
+
+@pytest.mark.parametrize("runtime", [launch_server.Runtime("stock", "0.5.14", "0.5.14"),
+                                     launch_server.Runtime("fork", "0.5.13", "legacy"), None])
+def test_layout_override_is_refused_with_the_key_where_sglang_replaces_sub_configs(runtime):
+    with pytest.raises(launch_server.LaunchError, match=r'add "full_attention_interval": 4 to text_config'):
+        launch_server.with_layout_override(["--model-path", "/m"], 4, runtime)
+
+
+@pytest.mark.parametrize("argv, config, expected", [
+    (["--dtype", "float16"], None, "float16"),
+    (["--dtype=half"], None, "float16"),
+    (["--dtype", "bfloat16"], {"dtype": "float16"}, "bfloat16"),
+    ([], {"dtype": "bfloat16"}, "bfloat16"),
+    (["--dtype", "auto"], {"torch_dtype": "float32"}, "float16"),
+    ([], {"text_config": {"dtype": "bfloat16"}}, "bfloat16"),
+    ([], {}, "float16"),
+    ([], None, None),
+])
+def test_serving_dtype_as_sglang_chooses_it(argv, config, expected):
+    assert launch_server.serving_dtype(argv, config) == expected
+
+
+def test_conv_state_dtype_follows_the_serving_dtype_on_every_gpu():
+    env: dict = {}
+    assert "bfloat16" in launch_server.state_dtype_environment(env, "float16")
+    assert env == {"SGLANG_MAMBA_CONV_DTYPE": "float16"}
+    assert launch_server.state_dtype_environment(env, "float16") is None  # the operator's (or ours) kept
+    with pytest.raises(launch_server.LaunchError, match="SGLANG_MAMBA_CONV_DTYPE=bfloat16, but the model is served in float16"):
+        launch_server.state_dtype_environment({"SGLANG_MAMBA_CONV_DTYPE": "bfloat16"}, "float16")
+    assert launch_server.state_dtype_environment({}, None).startswith("SGLANG_MAMBA_CONV_DTYPE left to SGLang")
+
+
+def test_tree_core_is_python_where_the_bundled_rust_core_was_built_for_another_torch():
+    env: dict = {}
+    note = launch_server.tree_core_environment(env, "2.14.1", "2.11.0+cu130")
+    assert env == {"SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python"} and "built for torch 2.14.1" in note
+    for same in ("2.14.1", "2.14.0+cu130"):
+        env = {}
+        assert launch_server.tree_core_environment(env, "2.14.1", same) is None and env == {}
+    for untouched in ({"SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python"}, {"SGLANG_RUST_BUILD_MODE": "force"}):
+        env = dict(untouched)
+        assert launch_server.tree_core_environment(env, "2.14.1", "2.11.0") is None and env == untouched
+    assert launch_server.tree_core_environment({}, None, "2.11.0") is None  # no bundled Rust core
+    with pytest.raises(launch_server.LaunchError, match="=rust, but SGLang's bundled Rust tree core was built for torch 2.14.1"):
+        launch_server.tree_core_environment({"SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "rust"}, "2.14.1", "2.11.0")
+
+
+def test_environment_maps_the_processor_package_and_refuses_another():
+    env: dict = {}
+    launch_server.prepare_environment(env)
+    assert env["SGLANG_EXTERNAL_MM_PROCESSOR_PACKAGE"] == "sglang_openjev.mm_processors"
+    with pytest.raises(launch_server.LaunchError, match="SGLANG_EXTERNAL_MM_PROCESSOR_PACKAGE=x.y"):
+        launch_server.prepare_environment({"SGLANG_EXTERNAL_MM_PROCESSOR_PACKAGE": "x.y"})
 
 
 def test_preflight_reads_a_local_checkpoint(tmp_path):
@@ -638,6 +752,136 @@ def test_server_args_treat_the_architecture_as_hybrid_gdn(probe):
     assert after["uses_mamba_radix_cache"] is True
     # no_buffer + radix cache: SGLang's Qwen3.5 handling forces page size 1 and no overlap schedule
     assert after["page_size"] == 1 and after["disable_overlap_schedule"] is True
+
+
+LAUNCH_PROBE = r"""
+import json, os, sys
+from pathlib import Path
+from sglang_openjev import launch_server as ls
+
+work = Path(sys.argv[1])
+clean = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_")}
+out = {"layout": {}, "conv": {}}
+
+
+def launch(argv):
+    os.environ.clear()
+    os.environ.update(clean)
+    return ls.prepare_launch(argv, os.environ)
+
+
+from sglang.srt.utils.hf_transformers.config import get_config
+
+for shape in ("tiny", "qwen3.5-4b"):
+    ckpt = str(work / f"{shape}-layer-types-only")
+    try:
+        argv, notes = launch(["--model-path", ckpt])
+    except ls.LaunchError as exc:
+        out["layout"][shape] = {"refused": str(exc)}
+        continue
+    i = argv.index("--json-model-override-args")
+    cfg = get_config(ckpt, trust_remote_code=False, model_override_args=json.loads(argv[i + 1]))
+    try:
+        bare = get_config(ckpt, trust_remote_code=False).text_config.full_attention_layer_ids
+    except AttributeError as exc:
+        bare = f"AttributeError: {exc}"
+    out["layout"][shape] = {"full_attention_ids": cfg.text_config.full_attention_layer_ids, "bare": bare,
+                            "vision": type(cfg.vision_config).__name__}
+
+from sglang.srt.configs.mamba_utils import mamba2_state_dtype
+
+for dtype in ("float16", "bfloat16"):
+    launch(["--model-path", str(work / "tiny"), "--dtype", dtype])
+    d = mamba2_state_dtype(None)
+    out["conv"][dtype] = {"conv": str(d.conv), "ssm": str(d.temporal)}
+
+from sglang.srt.environ import envs
+from sglang.srt.managers import multimodal_processor as mp
+
+launch(["--model-path", str(work / "tiny"), "--dtype", "float16"])
+mp.import_processors("sglang.srt.multimodal.processors")  # as SGLang's tokenizer manager does
+stock = {c.__name__ for c in mp.PROCESSOR_MAPPING}
+mp.import_processors(envs.SGLANG_EXTERNAL_MM_PROCESSOR_PACKAGE.get(), overwrite=True)
+by = {c.__name__: p for c, p in mp.PROCESSOR_MAPPING.items()}
+cls = by.get("Qwen3_5ForSequenceClassification")
+out["processor"] = {"stock_has_it": "Qwen3_5ForSequenceClassification" in stock, "cls": cls and cls.__name__, "base": by["Qwen3_5ForConditionalGeneration"].__name__,
+                    "subclass": bool(cls) and issubclass(cls, by["Qwen3_5ForConditionalGeneration"])}
+print(json.dumps(out))
+"""
+
+
+def write_tiny_config(shape: str, directory: Path, interval: bool = True) -> dict:
+    config = tiny_model_config(shape, interval)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    return config
+
+
+@pytest.fixture(scope="module")
+def launch_probe(tmp_path_factory):
+    """One fresh process of this interpreter: the launcher's pre-SGLang phase (prepare_launch), then what
+    SGLang itself does with its result: the config and layer layout (get_config), the conv-state dtype
+    (mamba2_state_dtype) and the multimodal-processor lookup of its tokenizer manager."""
+    if SGLANG_ERROR is not None:
+        pytest.skip(needs_sglang.kwargs["reason"])
+    work = tmp_path_factory.mktemp("launch_probe")
+    configs = {shape: write_tiny_config(shape, work / f"{shape}-layer-types-only", interval=False)
+               for shape in ("tiny", "qwen3.5-4b")}
+    write_tiny_config("tiny", work / "tiny")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run([sys.executable, "-c", LAUNCH_PROBE, str(work)], capture_output=True, text=True, cwd=work,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), configs
+
+
+@needs_sglang
+@pytest.mark.parametrize("shape", ["tiny", "qwen3.5-4b"])
+def test_a_layer_types_only_checkpoint_builds_sglangs_layout(launch_probe, shape):
+    """Through SGLang's own get_config with the launcher's arguments: the hybrid layout SGLang builds is
+    the checkpoint's layer_types. Without the interval SGLang's config has no layout at all; SGLang
+    before 0.5.23 replaces a text_config override instead of merging it, so the launcher refuses there."""
+    probe, configs = launch_probe
+    got = probe["layout"][shape]
+    if launch_server._release(launch_server.detect_runtime().version) < launch_server.NESTED_OVERRIDE_SINCE:
+        assert 'add "full_attention_interval": 4 to text_config' in got["refused"]
+        return
+    layer_types = configs[shape]["text_config"]["layer_types"]
+    assert got["full_attention_ids"] == [i for i, t in enumerate(layer_types) if t == "full_attention"]
+    assert str(got["bare"]).startswith("AttributeError")  # what SGLang alone does with this checkpoint
+    assert got["vision"] != "dict"  # the override merged into the sub-config, not replaced it
+
+
+@needs_sglang
+def test_the_classifier_architecture_has_sglangs_qwen3_5_processor(launch_probe):
+    got = launch_probe[0]["processor"]
+    assert got["stock_has_it"] is False  # SGLang alone: "No processor registered for architecture"
+    assert got["cls"] == "Qwen3_5ClassifierProcessor" and got["subclass"] is True, got
+
+
+@needs_sglang
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_sglangs_conv_state_pool_takes_the_serving_dtype(launch_probe, dtype):
+    assert launch_probe[0]["conv"][dtype] == {"conv": f"torch.{dtype}", "ssm": "torch.float32"}
+
+
+@needs_sglang
+def test_the_installed_sglangs_rust_tree_core_and_torch_are_read():
+    """What the launcher reads of the installed SGLang: 0.5.23 bundles a Rust tree core built for the
+    torch it pins (2.14.1, which its venv installs: no change); older versions bundle none."""
+    built_for, installed = launch_server.bundled_tree_core_torch()
+    import torch
+
+    assert installed == importlib.metadata.version("torch") and installed.split("+")[0] == torch.__version__.split("+")[0]
+    has_core = any((Path(importlib.util.find_spec("sglang").submodule_search_locations[0]) / "srt" / "mem_cache"
+                    / "rust_tree_core").glob("mem_cache*.so"))
+    assert (built_for is not None) == has_core
+    if built_for is not None:
+        assert built_for in [r.split("==")[1] for r in importlib.metadata.requires("sglang") if r.startswith("torch==")]
+        env: dict = {}
+        expect_change = built_for.split(".")[:2] != installed.split(".")[:2]
+        assert (launch_server.tree_core_environment(env, built_for, installed) is not None) == expect_change
 
 
 def cpu_only_torch_device_module(torch) -> None:
