@@ -132,7 +132,8 @@ Environment set for the server
   | PYTHONPATH                    | bundle root first, so the adapter package imports        |
   | PYTHONPYCACHEPREFIX           | $ROOT/pycache (no bytecode inside the adapter directory) |
   | SGLANG_EXTERNAL_MODEL_PACKAGE | sglang_openjev (SGLang only)                             |
-  | SGLANG_MAMBA_CONV_DTYPE       | float16 (SM70 only)                                      |
+  | SGLANG_MAMBA_CONV_DTYPE       | float16 (SM70; on other GPUs the adapter's launcher sets |
+  |                               | the serving dtype, since SGLang's default is bfloat16)   |
   | SGLANG_MAMBA_SSM_DTYPE        | float16 (SM70 only)                                      |
   | SGLANG_V100_DYNAMIC_PAGED     | 1 or 0 (SM70 only)                                       |
   | CC, CXX, CUDAHOSTCXX          | GCC 10 (required on SM70; used elsewhere when present)   |
@@ -357,7 +358,7 @@ find_compilers() {
 # importing it: sglang_openjev.launch_server --openjev-runtime).
 detect_runtime() {
     local line rc=0
-    line=$(PYTHONPATH=$BUNDLE_ROOT "$PYTHON" -B -c '
+    line=$(PYTHONPATH=$BUNDLE_ROOT${PYTHONPATH:+:$PYTHONPATH} "$PYTHON" -B -c '
 import sys
 from sglang_openjev.launch_server import main
 main(["--openjev-runtime", sys.argv[1]])

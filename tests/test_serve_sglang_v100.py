@@ -475,6 +475,22 @@ def test_runtime_is_detected_from_the_interpreter(run, checkpoint):
     assert dialect_flags(INSTALLED, "extra_buffer").items() <= flag_map(argv).items()
 
 
+def test_runtime_is_detected_through_the_operators_pythonpath(run, checkpoint, tmp_path):
+    """SGLang installed with `pip install --target DIR` and reached through PYTHONPATH (as on a machine
+    whose image already has torch): detection sees what the launched server will import."""
+    site = tmp_path / "site"
+    (site / "sglang" / "srt").mkdir(parents=True)
+    (site / "sglang" / "__init__.py").write_text("")
+    (site / "sglang" / "srt" / "server_args.py").write_text("# stock\n")
+    (site / "sglang-0.5.23.dist-info").mkdir()
+    (site / "sglang-0.5.23.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.23\n")
+    env = {"OPENJEV_GPU_ARCH": "sm90", "PYTHONPATH": str(site)}
+    proc = run(checkpoint, 31003, "--print-command", gcc=False, env=env)
+    got, _ = printed(proc)
+    assert got["OPENJEV_SGLANG_RUNTIME"] == "stock-0.5.23"
+    assert got["PYTHONPATH"] == f"{REPO}:{site}"
+
+
 def test_runtime_line_and_adaptation_helpers():
     from sglang_openjev import launch_server as ls
 
