@@ -1,0 +1,90 @@
+"""Stand-ins for sgl-kernel's CUDA norm and activation ops, as ``torch.ops.sgl_kernel.<name>``.
+
+For running stock SGLang 0.5.23's GPU engine without sglang-kernel's compiled ``common_ops``
+library: put ``shim/`` on PYTHONPATH and sgl_kernel's loader, finding no compiled library, falls
+back to ``import common_ops``, which calls ``register()`` here. sgl_kernel's Python wrappers then
+call these unchanged.
+
+The ops are those SGLang 0.5.23's Qwen3.5 path calls on CUDA (``gemma_rmsnorm``,
+``gemma_fused_add_rmsnorm``, ``rmsnorm``, ``silu_and_mul``) plus ``fused_add_rmsnorm`` of the same
+family, registered with the schemas the compiled library registers (``sgl-kernel/csrc/
+common_extension.cc``; the strings are those in sglang-kernel 0.4.10's ``sm90`` and ``sm100``
+``common_ops.abi3.so``), for the CUDA and CPU dispatch keys (CPU so tests run without a GPU). Their
+arithmetic, and what differs from the kernels, is in ``ops.py``. Importing this package registers
+nothing; ``register()`` (or importing the shim) does.
+
+Note: sgl_kernel's ``rmsnorm``/``fused_add_rmsnorm``/``gemma_*`` wrappers call ``flashinfer.norm``
+instead of these ops for float16/bfloat16 whenever ``import flashinfer.norm`` succeeds.
+
+Set ``OPENJEV_STANDIN_CALL_LOG=/path/file`` to have each process append ``<pid> <op>`` there on the
+first call of each op, so a test can show which stand-ins an engine ran.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import ops
+
+NAMESPACE = "sgl_kernel"
+
+SCHEMAS = {
+    "rmsnorm": "rmsnorm(Tensor! output, Tensor input, Tensor weight, float eps, bool enable_pdl) -> ()",
+    "fused_add_rmsnorm":
+        "fused_add_rmsnorm(Tensor! input, Tensor! residual, Tensor weight, float eps, bool enable_pdl) -> ()",
+    "gemma_rmsnorm": "gemma_rmsnorm(Tensor! output, Tensor input, Tensor weight, float eps, bool enable_pdl) -> ()",
+    "gemma_fused_add_rmsnorm":
+        "gemma_fused_add_rmsnorm(Tensor! input, Tensor! residual, Tensor weight, float eps, bool enable_pdl) -> ()",
+    "silu_and_mul": "silu_and_mul(Tensor! out, Tensor input) -> ()",
+}
+
+DISPATCH_KEYS = ("CUDA", "CPU")
+
+_LIB = None
+_LOGGED: set[str] = set()
+
+
+def _logged(name, fn):
+    path = os.environ.get("OPENJEV_STANDIN_CALL_LOG")
+    if not path:
+        return fn
+
+    def wrapper(*args, **kwargs):
+        if name not in _LOGGED:
+            _LOGGED.add(name)
+            with open(path, "a") as fh:
+                fh.write(f"{os.getpid()} {name}\n")
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def register() -> None:
+    """Define and implement the ops under torch.ops.sgl_kernel (once per process).
+
+    Refuses, naming the ops, when the namespace already holds one of them (the compiled library is loaded).
+    """
+    global _LIB
+    if _LIB is not None:
+        return
+    taken = [name for name in SCHEMAS if _defined(name)]
+    if taken:
+        raise RuntimeError("sgl_kernel_cuda_standin: torch.ops.sgl_kernel already defines "
+                           f"{', '.join(taken)} (the compiled library is loaded); use one or the other")
+    lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+    for name, schema in SCHEMAS.items():
+        lib.define(schema)
+        fn = _logged(name, getattr(ops, name))
+        for key in DISPATCH_KEYS:
+            lib.impl(name, fn, key)
+    _LIB = lib
+
+
+def _defined(name: str) -> bool:
+    try:
+        torch._C._dispatch_find_schema_or_throw(f"{NAMESPACE}::{name}", "")
+        return True
+    except RuntimeError:
+        return False
