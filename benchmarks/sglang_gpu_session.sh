@@ -1,0 +1,164 @@
+#!/usr/bin/env bash
+# SGLang's GPU engine with the adapter, beside the embedded backend, on the same sets and references,
+# on a GPU machine that has torch, triton and transformers but no SGLang (the lent H200: SM90, not a
+# V100). Receipts land in OUTDIR/results.tgz, packed after every stage (a time-out keeps what ran).
+#
+#   python benchmarks/sglang_gpu_wheels.py          # here: the carried wheels in .carry/wheels
+#   bash benchmarks/sglang_gpu_session.sh OUTDIR    # there, from the repository root, .carry carried
+#
+# STAGES (default "setup prep sglang_cache sglang_uncached embedded"), in order:
+#   setup            .carry/wheels installed into SITE (default /tmp/site) unless already there; the
+#                    sgl_kernel stand-ins' GPU test (tests/test_sgl_cuda_standin.py -m gpu)
+#   prep             the random-weight Qwen3.5-4B-shape classifier (FP16) and the 128-row set
+#                    (benchmarks/h200_session14.sh prep), the T-like set (564 rows, premises 300-2500
+#                    tokens, option groups) and, for each set in SETS, its exact FP16 reference
+#                    (app/score_reference.py)
+#   sglang_cache     app/serve_sglang_v100.sh with the radix cache (extra_buffer); per set: bench with
+#                    --cold-cache (flushed before each pass), then warm
+#   sglang_uncached  the same with --disable-radix-cache; per set one bench
+#   embedded         app/serve_transformers.py --max-running-requests 16 --step-token-budget 65536; per
+#                    set one bench (it has no prefix cache: one mode)
+#   ssm_fp16         radix cache with SGLANG_MAMBA_SSM_DTYPE=float16 (the SM70 setting): flushed bench
+#                    on the T-like set, for the state-dtype comparison on the longest inputs
+#   variant          one server with VARIANT_ARGS (serve_sglang_v100.sh flags) and VARIANT_ENV
+#                    (NAME=VALUE words), benches VARIANT_MODES (default flushed), receipts tagged VARIANT_TAG
+# Benches: app/bench_classify_v100.py, batches of 32 from 4 workers, 3 measured passes, the GPU-exclusivity
+# monitor on GPU 0; then benchmarks/compute_bound.py.
+# Environment: PYTHON (python3), WORK (/tmp/openjev-sglang-gpu), SITE (/tmp/site), SETS ("s128 t564"),
+# SGLANG_ARGS (more serve_sglang_v100.sh flags), STAGE_TIMEOUT (seconds a stage, default 560),
+# REPETITIONS (3). Stand-ins: sgl-kernel's compiled ops are not carried (a 356 MiB wheel); its
+# Python package falls back to `import common_ops`, which openjev_testsupport/sgl_kernel_cuda_standin/shim
+# provides (pure-PyTorch norms and silu_and_mul, checked against FlashInfer's kernels).
+set -uo pipefail
+OUTDIR=${1:?usage: sglang_gpu_session.sh OUTDIR}
+PY=${PYTHON:-python3}
+W=${WORK:-/tmp/openjev-sglang-gpu}
+SITE=${SITE:-/tmp/site}
+R="$W/results"
+SETS=${SETS:-s128 t564}
+TO=${STAGE_TIMEOUT:-560}
+REPS=${REPETITIONS:-3}
+SHAPE=qwen3.5-4b
+MODEL="$W/model-$SHAPE"
+LABEL="NVIDIA H200 (development machine, SM90; not a V100)"
+REPO=$(pwd -P)
+SHIM="$REPO/openjev_testsupport/sgl_kernel_cuda_standin/shim"
+mkdir -p "$R" "$OUTDIR"
+export PYTHONPATH="$SITE:$SHIM${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# sgl_kernel's package metadata says 0.4.10, but its compiled library is absent: SGLang's start-up
+# version assertion reads the distribution, not the ops.
+export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
+pack() { tar -czf "$OUTDIR/results.tgz" -C "$R" . ; }
+log() { echo "== $(date -u +%H:%M:%S) $*"; }
+code() { echo "$1 exit $2" | tee -a "$R/exit_codes.txt"; }
+free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+set_path() { case $1 in s128) echo "$W/set-128-200-1500" ;; t564) echo "$W/set-564-300-2500" ;; *) return 1 ;; esac; }
+
+stage_setup() {
+  if ! "$PY" -c 'import sglang, sys; sys.exit(sglang.__version__ != "0.5.23")' 2>/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+      .carry/wheels/*.whl || return 1
+  fi
+  nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv >"$R/nvidia_smi.csv" 2>&1
+  "$PY" -c 'import torch, transformers, triton, sglang, fla; print("torch", torch.__version__, "cuda", torch.version.cuda,
+"transformers", transformers.__version__, "triton", triton.__version__, "sglang", sglang.__version__, "fla", fla.__version__)' \
+    | tee "$R/versions.txt"
+  cp .carry/wheels/manifest.json "$R/carried_wheels.json"
+  "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_sgl_cuda_standin.py 2>&1 | tee "$R/standin_gpu_tests.txt"
+  return "${PIPESTATUS[0]}"
+}
+
+stage_prep() {
+  WORK=$W STAGES=prep bash benchmarks/h200_session14.sh "$W/prep14" >/dev/null || return 1
+  [ -e "$W/set-564-300-2500.jsonl" ] || "$PY" app/make_synthetic_inputs.py "$W/set-564-300-2500" --rows 564 \
+    --premise-tokens 300:2500 --vocab 512 --seed 564 || return 1
+  for s in $SETS; do
+    local set ref="$W/ref-$s"
+    set=$(set_path "$s") || return 1
+    [ -d "$ref" ] || "$PY" app/score_reference.py --model "$MODEL" --tokens "$set.tokens.jsonl" --inputs "$set.jsonl" \
+      --out "$ref" --device cuda || return 1
+    mkdir -p "$R/reference_$s" && cp "$ref/reference.json" "$R/reference_$s/"
+  done
+}
+
+wait_healthy() {  # PID PORT LOG
+  for _ in $(seq 1 500); do
+    kill -0 "$1" 2>/dev/null || { tail -n 40 "$3"; return 1; }
+    "$PY" -c "import sys,requests; sys.exit(requests.get('http://127.0.0.1:$2/health',timeout=2).status_code!=200)" \
+      2>/dev/null && return 0
+    sleep 1
+  done
+  return 1
+}
+
+bench() {  # NAME SET PORT PID [bench flags...]
+  local name=$1 s=$2 port=$3 pid=$4 set
+  shift 4
+  set=$(set_path "$s")
+  "$PY" app/bench_classify_v100.py --url "http://127.0.0.1:$port" --inputs "$set.jsonl" --tokens "$set.tokens.jsonl" \
+    --reference "$W/ref-$s" --out "$R/$name.json" --batch-size 32 --workers 4 --repetitions "$REPS" --label "$name" \
+    --machine-label "$LABEL" --exclusive-gpu 0 --server-pid "$pid" "$@"
+  local rc=$?
+  "$PY" benchmarks/compute_bound.py "$R/$name.json" --model "$MODEL" --device cuda >/dev/null 2>&1
+  echo "$name exit $rc" >>"$R/bench_exit_codes.txt"
+  return 0
+}
+
+run_sglang() {  # TAG MODES [serve flags...]: one server, every set in SETS, MODES "flushed warm" or "uncached"
+  local tag=$1 modes=$2 port pid s m
+  shift 2
+  port=$(free_port)
+  # shellcheck disable=SC2086
+  OPENJEV_PYTHON=$PY OPENJEV_V100_ROOT="$W/root" CUDA_VISIBLE_DEVICES=0 bash app/serve_sglang_v100.sh "$MODEL" "$port" \
+    --attention-backend triton --sampling-backend pytorch --linear-attn-prefill-backend triton --grammar-backend none \
+    --skip-server-warmup "$@" ${SGLANG_ARGS:-} >"$R/sglang_$tag.server.log" 2>&1 &
+  pid=$!
+  local t0=$SECONDS
+  wait_healthy "$pid" "$port" "$R/sglang_$tag.server.log" || { kill "$pid"; return 1; }
+  echo "sglang_$tag healthy after $((SECONDS - t0)) s" | tee -a "$R/startup.txt"
+  "$PY" -c "import json,requests; print(json.dumps(requests.get('http://127.0.0.1:$port/server_info',timeout=10).json(), indent=1, default=str))" \
+    >"$R/sglang_$tag.server_info.json" 2>&1
+  for s in $SETS; do
+    for m in $modes; do
+      case $m in
+        flushed) bench "sglang_${tag}_${s}_flushed" "$s" "$port" "$pid" --cold-cache ;;
+        *) bench "sglang_${tag}_${s}_$m" "$s" "$port" "$pid" ;;
+      esac
+    done
+  done
+  kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+  return 0
+}
+
+stage_sglang_cache() { run_sglang cache "flushed warm"; }
+
+stage_sglang_uncached() { run_sglang uncached uncached --disable-radix-cache; }
+
+stage_ssm_fp16() { SETS=t564 SGLANG_MAMBA_SSM_DTYPE=float16 run_sglang ssm_fp16 flushed; }
+
+stage_variant() {  # shellcheck disable=SC2086
+  env ${VARIANT_ENV:-} bash -c 'run_sglang "$@"' _ "${VARIANT_TAG:-variant}" "${VARIANT_MODES:-flushed}" ${VARIANT_ARGS:-}
+}
+
+stage_embedded() {
+  local port pid s
+  port=$(free_port)
+  "$PY" app/serve_transformers.py "$MODEL" "$port" --device cuda --max-running-requests 16 --step-token-budget 65536 \
+    >"$R/embedded.server.log" 2>&1 &
+  pid=$!
+  wait_healthy "$pid" "$port" "$R/embedded.server.log" || { kill "$pid"; return 1; }
+  for s in $SETS; do bench "embedded_$s" "$s" "$port" "$pid"; done
+  kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+  return 0
+}
+
+export PY W R SITE SETS REPS SHAPE MODEL LABEL SGLANG_ARGS VARIANT_ARGS VARIANT_ENV VARIANT_TAG VARIANT_MODES
+export -f free_port set_path wait_healthy bench run_sglang stage_setup stage_prep stage_sglang_cache \
+  stage_sglang_uncached stage_ssm_fp16 stage_embedded stage_variant
+for s in ${STAGES:-setup prep sglang_cache sglang_uncached embedded}; do
+  log "stage $s"
+  timeout -k 10 "$TO" bash -c "stage_$s" 2>&1 | tee "$R/stage_$s.log"
+  code "$s" "${PIPESTATUS[0]}"
+  pack
+done
+log done
