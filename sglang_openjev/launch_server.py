@@ -28,6 +28,10 @@ parses its arguments:
    applies the same mamba radix-cache handling as for `Qwen3_5ForConditionalGeneration`
    (extra_buffer/no_buffer checks, page size, overlap schedule);
 5. installs the contract routes (`sglang_openjev.routes`) on SGLang's FastAPI app;
+6. registers the classifier's warm-up (`sglang_openjev.warmup`) and adds it to `--warmups`, so
+   SGLang compiles its kernels on the classifier's path before the server listens, after the
+   scheduler's own state was checked against the flags given (backends, mamba strategy, radix cache,
+   dtype, GDN state slots): a silent fallback stops the start;
 
 then runs SGLang's own `run_server(ServerArgs)`. It refuses modes whose HTTP workers would not
 carry the routes (several tokenizer workers, HTTP/2 via Granian, gRPC, Ray, encoder-only).
@@ -467,6 +471,20 @@ def adapt_extra_buffer(server_args_cls: Any, spec_fields: Sequence[str]) -> tupl
     return False, None
 
 
+def with_warmup_flag(argv: Sequence[str], name: str) -> list[str]:
+    """argv with NAME in --warmups (appended to an operator's list; once)."""
+    argv = list(argv)
+    index, value = flag_value(argv, "--warmups")
+    names = [n for n in (value or "").split(",") if n]
+    if name in names:
+        return argv
+    joined = ",".join([*names, name])
+    if index is None:
+        return [*argv, "--warmups", joined]
+    argv[index] = joined if argv[index] == value else f"--warmups={joined}"
+    return argv
+
+
 def strategy_flag(argv: Sequence[str]) -> tuple[Optional[int], Optional[str]]:
     """(index of the strategy's value in argv, value) for --mamba-radix-cache-strategy or
     --mamba-scheduler-strategy (either spelling, `FLAG VALUE` or `FLAG=VALUE`), the last one given."""
@@ -541,6 +559,13 @@ def adapt_to_runtime(argv: Sequence[str], environ: MutableMapping[str, str], ear
         argv, note = closest_without_extra_buffer(argv)
     if note:
         adaptations.append(note)
+    from sglang_openjev import warmup
+
+    if warmup.register():
+        argv = with_warmup_flag(argv, warmup.NAME)
+        warmup.ASKED.update(warmup.asked_by(argv))
+    else:
+        adaptations.append("no custom warm-ups in this SGLang: the first request compiles the kernels")
     environ[ADAPTATIONS_ENV] = json.dumps(adaptations)
     return argv, adaptations, runtime
 

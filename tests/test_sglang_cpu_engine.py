@@ -265,6 +265,8 @@ def test_engine_starts_with_the_adapter_on_the_chosen_ops(engine, first_pass, wo
     assert info["sglang_runtime"] == f"stock-{SGLANG_VERSION}", info["sglang_runtime"]
     text = engine.text()
     assert "sglang_openjev replaces SGLang routes" in text
+    # the classifier's warm-up ran before the server listened, and left the cache empty
+    assert re.search(r"openjev warm-up: 3 rows \(\d+ tokens\) sent twice and the cache flushed", text), text[-3000:]
     kind = "stand-ins" if ops_env() == "standin" else "library"
     assert f"CPU ops loaded: {kind}" in text, "the runtime did not say which CPU ops it loaded"
     if ops_env() == "standin":

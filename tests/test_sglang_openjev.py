@@ -43,7 +43,7 @@ for _p in (str(REPO), str(REPO / "tests")):
         sys.path.insert(0, _p)
 
 import strict_loading_cases  # noqa: E402 - tests/, the five corrupted checkpoints
-from sglang_openjev import contract, launch_server, pooling, weights  # noqa: E402
+from sglang_openjev import contract, launch_server, pooling, routes, warmup, weights  # noqa: E402
 
 LABELS = {0: "contradiction", 1: "entailment", 2: "neutral"}
 TEXT_CONFIG = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
@@ -343,6 +343,75 @@ def test_environment_maps_the_processor_package_and_refuses_another():
     assert env["SGLANG_EXTERNAL_MM_PROCESSOR_PACKAGE"] == "sglang_openjev.mm_processors"
     with pytest.raises(launch_server.LaunchError, match="SGLANG_EXTERNAL_MM_PROCESSOR_PACKAGE=x.y"):
         launch_server.prepare_environment({"SGLANG_EXTERNAL_MM_PROCESSOR_PACKAGE": "x.y"})
+
+
+@pytest.mark.parametrize("vocab, context", [(248320, 8192), (512, 32768), (96, 64), (512, 30)])
+def test_warmup_rows_share_a_prefix_and_fit_the_model(vocab, context):
+    rows = warmup.warmup_rows(vocab, context)
+    assert len(rows) == 3 and all(0 < len(r) < context for r in rows)
+    assert all(warmup.FIRST_ID <= t < vocab for r in rows for t in r)
+    shared = next(i for i, (a, b) in enumerate(zip(rows[0], rows[1])) if a != b)
+    assert shared == min(warmup.PREFIX_TOKENS, context - 1 - warmup.SUFFIX_TOKENS) or context <= 64
+    assert warmup.warmup_rows(vocab, context) == rows  # deterministic
+
+
+def test_warmup_flag_joins_the_operators_list_once():
+    name = warmup.NAME
+    assert launch_server.with_warmup_flag(["--port", "1"], name) == ["--port", "1", "--warmups", name]
+    assert launch_server.with_warmup_flag(["--warmups", "a,b"], name) == ["--warmups", f"a,b,{name}"]
+    assert launch_server.with_warmup_flag(["--warmups=a"], name) == [f"--warmups=a,{name}"]
+    once = launch_server.with_warmup_flag(["--warmups", name], name)
+    assert once == ["--warmups", name] and launch_server.with_warmup_flag(once, name) == once
+
+
+def test_warmup_sends_the_rows_twice_then_flushes(monkeypatch):
+    """Through the runtime /classify uses, against the stand-in tokenizer manager; a flush refused while
+    the scheduler is busy is retried for FLUSH_WAIT_S."""
+    monkeypatch.setattr(warmup, "FLUSH_WAIT_S", 0.3)
+    fake = FakeTokenizerManager(server_args_stub(), context_len=2048, vocab_size=96)
+    runtime = routes.SGLangRuntime(lambda: None, lambda input_ids: SimpleNamespace(input_ids=input_ids))
+    rows = asyncio.run(warmup.run_warmup(runtime, fake))
+    assert [r.input_ids for r in fake.requests] == [rows, rows] and fake.flushes == [None]
+    fake.flush_ok = False
+    with pytest.raises(RuntimeError, match="could not be flushed afterwards within 0.3 s"):
+        asyncio.run(warmup.run_warmup(runtime, fake))
+    assert len(fake.flushes) > 2  # retried
+
+
+def test_warmup_refuses_a_scheduler_that_runs_something_else(monkeypatch):
+    fake = FakeTokenizerManager(server_args_stub(), context_len=2048, vocab_size=96)
+
+    async def internal_state():
+        return [{"attention_backend": "torch_native", "max_running_requests": 16}]
+
+    fake.get_internal_state = internal_state
+    monkeypatch.setitem(warmup.ASKED, "attention_backend", "triton")
+    runtime = routes.SGLangRuntime(lambda: None, lambda input_ids: SimpleNamespace(input_ids=input_ids))
+    with pytest.raises(RuntimeError, match="does not run what was asked: attention_backend: asked 'triton', "
+                                           "the scheduler runs 'torch_native'"):
+        asyncio.run(warmup.run_warmup(runtime, fake))
+    assert fake.requests == []  # refused before any row
+
+
+def test_asked_server_arguments_are_read_from_the_flags_given():
+    argv = ["--attention-backend", "triton", "--dtype=float16", "--disable-radix-cache", "--port", "1",
+            "--mamba-radix-cache-strategy", "extra_buffer", "--mamba-radix-cache-strategy", "no_buffer"]
+    assert warmup.asked_by(argv) == {"attention_backend": "triton", "dtype": "float16", "disable_radix_cache": True,
+                                     "mamba_radix_cache_strategy": "no_buffer"}
+
+
+def test_served_state_problems_name_a_fallback_and_too_few_state_slots():
+    asked = {"attention_backend": "triton", "linear_attn_prefill_backend": "flashinfer", "dtype": "float16"}
+    served = {"attention_backend": "triton", "linear_attn_prefill_backend": "triton", "dtype": "float16",
+              "mamba_radix_cache_strategy": "extra_buffer", "disable_radix_cache": False,
+              "max_mamba_cache_size": 79, "max_running_requests": 16}
+    problems = warmup.served_state_problems(asked, served)
+    assert problems[0] == "linear_attn_prefill_backend: asked 'flashinfer', the scheduler runs 'triton'"
+    assert problems[1].startswith("79 GDN state slots for 16 running requests: extra_buffer needs 5 per request (80)")
+    assert warmup.served_state_problems({**asked, "linear_attn_prefill_backend": "triton"},
+                                        {**served, "max_mamba_cache_size": 80}) == []
+    assert warmup.served_state_problems({}, {**served, "disable_radix_cache": True}) == []  # no cache: no rule
+    assert warmup.served_state_problems({"disable_radix_cache": True}, {"disable_radix_cache": True}) == []
 
 
 def test_preflight_reads_a_local_checkpoint(tmp_path):
@@ -806,6 +875,13 @@ by = {c.__name__: p for c, p in mp.PROCESSOR_MAPPING.items()}
 cls = by.get("Qwen3_5ForSequenceClassification")
 out["processor"] = {"stock_has_it": "Qwen3_5ForSequenceClassification" in stock, "cls": cls and cls.__name__, "base": by["Qwen3_5ForConditionalGeneration"].__name__,
                     "subclass": bool(cls) and issubclass(cls, by["Qwen3_5ForConditionalGeneration"])}
+from sglang_openjev import warmup
+from sglang.srt.entrypoints import warmup as sglang_warmup
+from sglang.srt.server_args import prepare_server_args
+
+argv, _, _ = ls.adapt_to_runtime(["--model-path", str(work / "tiny")], os.environ)
+out["warmup"] = {"registered": sglang_warmup._warmup_registry.get(warmup.NAME) is warmup.classifier_warmup,
+                 "argv": argv, "parsed": prepare_server_args([*argv, "--device", "cpu"]).warmups}
 print(json.dumps(out))
 """
 
@@ -864,6 +940,13 @@ def test_the_classifier_architecture_has_sglangs_qwen3_5_processor(launch_probe)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_sglangs_conv_state_pool_takes_the_serving_dtype(launch_probe, dtype):
     assert launch_probe[0]["conv"][dtype] == {"conv": f"torch.{dtype}", "ssm": "torch.float32"}
+
+
+@needs_sglang
+def test_sglang_runs_the_classifier_warmup_before_listening(launch_probe):
+    got = launch_probe[0]["warmup"]
+    assert got["registered"] is True
+    assert got["parsed"] == warmup.NAME and got["argv"][-2:] == ["--warmups", warmup.NAME]
 
 
 @needs_sglang
