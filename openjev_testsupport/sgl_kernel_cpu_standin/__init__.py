@@ -13,9 +13,7 @@ first call of each op, so a test can show which stand-ins an engine ran.
 
 from __future__ import annotations
 
-import os
-
-import torch
+from openjev_testsupport import op_library
 
 from . import ops
 
@@ -52,49 +50,14 @@ SCHEMAS = {
 }
 
 _LIB = None
-_LOGGED: set[str] = set()
-
-
-def _logged(name, fn):
-    path = os.environ.get("OPENJEV_STANDIN_CALL_LOG")
-    if not path:
-        return fn
-
-    def wrapper(*args, **kwargs):
-        if name not in _LOGGED:
-            _LOGGED.add(name)
-            with open(path, "a") as fh:
-                fh.write(f"{os.getpid()} {name}\n")
-        return fn(*args, **kwargs)
-
-    return wrapper
 
 
 def register() -> None:
-    """Define and implement the ops under torch.ops.sgl_kernel (once per process).
-
-    Refuses, naming the op, when the namespace already holds one of them (the compiled library is loaded).
-    """
+    """Define and implement the ops under torch.ops.sgl_kernel (once per process); refuses, naming the
+    ops, when the namespace already holds one of them (the compiled library is loaded)."""
     global _LIB
-    if _LIB is not None:
-        return
-    taken = [name for name in SCHEMAS if _defined(name)]
-    if taken:
-        raise RuntimeError("sgl_kernel_cpu_standin: torch.ops.sgl_kernel already defines "
-                           f"{', '.join(taken)} (the compiled library is loaded); use one or the other")
-    lib = torch.library.Library(NAMESPACE, "FRAGMENT")
-    for name, schema in SCHEMAS.items():
-        lib.define(schema)
-        lib.impl(name, _logged(name, getattr(ops, name)), "CPU")
-    _LIB = lib
-
-
-def _defined(name: str) -> bool:
-    try:
-        torch._C._dispatch_find_schema_or_throw(f"{NAMESPACE}::{name}", "")
-        return True
-    except RuntimeError:
-        return False
+    if _LIB is None:
+        _LIB = op_library.define_ops(NAMESPACE, SCHEMAS, ops, ("CPU",), "sgl_kernel_cpu_standin")
 
 
 register()
