@@ -22,6 +22,9 @@
 #                    on the T-like set, for the state-dtype comparison on the longest inputs
 #   variant          one server with VARIANT_ARGS (serve_sglang_v100.sh flags) and VARIANT_ENV
 #                    (NAME=VALUE words), benches VARIANT_MODES (default flushed), receipts tagged VARIANT_TAG
+#   native_ops       the faithfulness bisection's next step: every SGLang fused op (norms, activation,
+#                    ...) on its forward_native path (SGLANG_FORCE_FUSED_OP_BACKEND=native, SGLang's own
+#                    switch for bisecting numerics), no chunking, no cuBLAS split-K; flushed bench on s128
 # Benches: app/bench_classify_v100.py, batches of 32 from 4 workers, 3 measured passes, the GPU-exclusivity
 # monitor on GPU 0; then benchmarks/compute_bound.py.
 # Environment: PYTHON (python3), WORK (/tmp/openjev-sglang-gpu), SITE (/tmp/site), SETS ("s128 t564"),
@@ -136,6 +139,11 @@ stage_sglang_uncached() { run_sglang uncached uncached --disable-radix-cache; }
 
 stage_ssm_fp16() { SETS=t564 SGLANG_MAMBA_SSM_DTYPE=float16 run_sglang ssm_fp16 flushed; }
 
+stage_native_ops() {
+  SETS=s128 SGLANG_FORCE_FUSED_OP_BACKEND=native CUBLAS_WORKSPACE_CONFIG=:0:0 \
+    run_sglang native_ops flushed --chunked-prefill-size -1
+}
+
 stage_variant() {  # shellcheck disable=SC2086
   env ${VARIANT_ENV:-} bash -c 'run_sglang "$@"' _ "${VARIANT_TAG:-variant}" "${VARIANT_MODES:-flushed}" ${VARIANT_ARGS:-}
 }
@@ -154,7 +162,7 @@ stage_embedded() {
 
 export PY W R SITE SETS REPS SHAPE MODEL LABEL SGLANG_ARGS VARIANT_ARGS VARIANT_ENV VARIANT_TAG VARIANT_MODES
 export -f free_port set_path wait_healthy bench run_sglang stage_setup stage_prep stage_sglang_cache \
-  stage_sglang_uncached stage_ssm_fp16 stage_embedded stage_variant
+  stage_sglang_uncached stage_ssm_fp16 stage_embedded stage_variant stage_native_ops
 for s in ${STAGES:-setup prep sglang_cache sglang_uncached embedded}; do
   log "stage $s"
   timeout -k 10 "$TO" bash -c "stage_$s" 2>&1 | tee "$R/stage_$s.log"
