@@ -18,7 +18,7 @@ SGLANG_TESTS := tests/test_sglang_openjev.py tests/test_serve_sglang_v100.py
 # Tests a version cannot run yet, by name, with the reason test-sglang prints (shown as deselected):
 # SGLANG_DESELECT_<version> := --deselect tests/...::test_name, SGLANG_DESELECT_WHY_<version> := reason.
 # None at present.
-# Modules run only in one version's venv: 0.5.23's real CPU engine with the adapter (issue 17; the CPU
+# Modules run only in one version's venv: 0.5.23's real CPU engine with the adapter (the CPU
 # ops are openjev_testsupport's stand-ins, sgl-kernel's CPU library cannot be installed here).
 SGLANG_EXTRA_TESTS_0.5.23 := tests/test_sglang_cpu_engine.py
 

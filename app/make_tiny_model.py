@@ -4,7 +4,7 @@
 Shapes:
   tiny         a few hundred thousand parameters; the embedded default for CPU demos and tests
   tiny-gdn64   tiny with linear-attention head dim 64, the smallest that sgl-kernel's CPU GDN
-               kernels accept (SGLang's CPU engine, issue 17)
+               kernels accept (SGLang's CPU engine)
   qwen3.5-4b   the text backbone of Qwen3.5-4B's published shape (32 layers, hidden 2560,
                3 GDN : 1 full attention, 16 q / 4 kv heads of dim 256, vocab 248320) for
                GPU benchmarks; its vision tower is reduced to a stub because text
@@ -48,7 +48,7 @@ SHAPES: dict[str, dict] = {
         layer_types=["linear_attention"] * 3 + ["full_attention"], full_attention_interval=4,
     ),
     # As tiny, with the linear-attention (GDN) key/value head dim 64: sgl-kernel's CPU GDN kernels
-    # accept head dims 64 and 128 only, so SGLang's CPU engine runs this one (issue 17).
+    # accept head dims 64 and 128 only, so SGLang's CPU engine runs this one.
     "tiny-gdn64": dict(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16,

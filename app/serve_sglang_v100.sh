@@ -430,7 +430,7 @@ build_command() {
             operator_gave --mamba-scheduler-strategy || add_default --mamba-radix-cache-strategy "$strategy"
         fi
         add_default --mamba-full-memory-ratio "$MAMBA_RATIO_V"
-        add_default --enable-metrics  # SGLang's own Prometheus /metrics on every replica (issue 11)
+        add_default --enable-metrics  # SGLang's own Prometheus /metrics on every replica
         if [[ $PROFILE == sm70-tilelang ]]; then
             add_default --attention-backend tilelang_fa_v100
             add_default --linear-attn-prefill-backend tilelang

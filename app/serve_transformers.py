@@ -188,8 +188,8 @@ def length_groups(lengths: list[int], max_rows: int, forward_cost: int = FORWARD
 
 def auto_torch_threads(cores: int, device: str) -> int:
     """Intra-op threads for torch: the inference thread gets every core but one, which stays with the
-    event loop, JSON parsing and tokenizing (2 cores -> 1 thread). Measured on the 2-core CPU machine
-    (issue 11): torch's default (2 threads) gave p99 4-17 s with 16 clients, 1 thread p99 149 ms."""
+    event loop, JSON parsing and tokenizing (2 cores -> 1 thread). Measured on the 2-core CPU machine:
+    torch's default (2 threads) gave p99 4-17 s with 16 clients, 1 thread p99 149 ms."""
     if device != "cpu":
         return max(1, min(4, cores - 1))  # a GPU forward needs few CPU threads
     return max(1, cores - 1)

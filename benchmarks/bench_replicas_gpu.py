@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The production layout on GPUs (issue 15): the gateway over two embedded replicas, failover under load.
+"""The production layout on GPUs: the gateway over two embedded replicas, failover under load.
 
 The deployment is the real one, as in benchmarks/bench_gateway.py: units and haproxy.cfg rendered by
 deploy/install_units.sh (`--backend transformers`), run by deploy/unit_runner.py the way systemd

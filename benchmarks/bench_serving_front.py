@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Serving-front benchmark of the embedded backend (issue 11), on the machine it runs on.
+"""Serving-front benchmark of the embedded backend, on the machine it runs on.
 
 Starts app/serve_transformers.py with its default settings on a free 127.0.0.1 port and measures:
   1. load: C concurrent clients x N single-row POST /classify requests each (default 16 x 50), rows

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 14: where a padded forward's logits leave the exact FP16 reference, and how far both are
+"""Where a padded forward's logits leave the exact FP16 reference, and how far both are
 from a higher-precision forward (a diagnostic benchmark, not a test).
 
 The HTTP goal asks for max |dp_e| <= 2e-3 against the exact FP16 reference; the padded forwards

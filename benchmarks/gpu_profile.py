@@ -35,7 +35,7 @@ from _common import read_tokens, truncate_rows  # noqa: E402
 
 
 def base_parser(doc: str, out_help: str = "directory (created)") -> argparse.ArgumentParser:
-    """The arguments every GPU benchmark script of issue 14 takes: model, token file, output, device."""
+    """The arguments every GPU benchmark script takes: model, token file, output, device."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, required=True, help="model (or overlay) directory")
     p.add_argument("--tokens", type=Path, required=True, help="token file (JSONL {id, input_ids})")

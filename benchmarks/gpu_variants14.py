@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 14: variants of the exact reference loop and of the serving forwards, in one process, on
+"""Variants of the exact reference loop and of the serving forwards, in one process, on
 one input set (a benchmark, not a test). Every variant's logits are compared with the baseline
 exact pass (the reference scorer's loop before this change), so a speed-up that moves a number is
 visible next to its figure.
@@ -85,7 +85,7 @@ def forward_logits(clf, ids, mask=None, use_cache=None):
 
 
 def exact_loop(clf, rows, use_cache=None) -> np.ndarray:
-    """The reference loop before issue 14's change: one forward and one host copy per row."""
+    """The reference loop before the batched host copy: one forward and one host copy per row."""
     import torch
 
     out = np.empty((len(rows), 3), dtype=np.float32)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU session of issue 14 (the embedded backend and the reference scorer at the GPU's speed) and
-# issue 15 (gateway over two replicas on one GPU, stage "replicas"). Receipts land in results_h200/; an NVIDIA H200
+# GPU session of the embedded backend and the reference scorer at the GPU's speed, and of the
+# gateway over two replicas on one GPU (stage "replicas"). Receipts land in results_h200/; an NVIDIA H200
 # is an SM90 development machine, not a V100.
 #
 #   bash benchmarks/h200_session14.sh OUTDIR        # on the GPU machine, from the repository root
@@ -21,7 +21,7 @@
 #                  (batches of 32, 4 workers, median of 3, GPU-exclusivity monitor), then
 #                  benchmarks/compute_bound.py adds the fraction of the fp16 matmul peak
 #   http16         the same with --max-running-requests 16
-#   replicas       issue 15 on a one-GPU machine: a 128-row set of short premises (64-256 tokens) and
+#   replicas       the gateway over two replicas on a one-GPU machine: a 128-row set of short premises (64-256 tokens) and
 #                  its FP16 reference, then benchmarks/bench_replicas_gpu.py --share-gpu 0 (the gateway
 #                  and two embedded replicas run by deploy/unit_runner.py, both on GPU 0; placement,
 #                  exclusivity, throughput one vs two replicas, failover of 2,000 requests with a
@@ -159,7 +159,7 @@ stage_http16() {  # 16 rows per forward instead of SERVER_ARGS'
   SERVER_ARGS="--max-running-requests 16" HTTP_LABEL=embedded_${SHAPE}_${DEVICE}_mrr16 stage_http
 }
 
-stage_replicas() {  # issue 15: two replicas sharing GPU 0 behind the gateway
+stage_replicas() {  # two replicas sharing GPU 0 behind the gateway
   local set="$W/set-128-64-256" ref="$W/ref15-$SHAPE-$DEVICE"
   local out="$R/two_gpu/replicas_shared_gpu0_${REPLICA_BATCHING:-exact}.json"
   [ -e "$set.jsonl" ] || "$PY" app/make_synthetic_inputs.py "$set" --rows 128 --premise-tokens 64:256 --vocab 512 --seed 15 || return 1

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write tests/data/sgl_cpu_ops/manifest.json from the recorded cases under it (issue 17).
+"""Write tests/data/sgl_cpu_ops/manifest.json from the recorded cases under it.
 
 Each tests/data/sgl_cpu_ops/<op>/<case>.json is one recorded call of the real sgl-kernel CPU op
 (sglang_openjev_cpu/record.py: from SGLang's engine, "source": "engine"; or

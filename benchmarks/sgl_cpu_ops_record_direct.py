@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Record sgl-kernel CPU op calls that /classify's engine never makes, by direct calls (issue 17).
+"""Record sgl-kernel CPU op calls that /classify's engine never makes, by direct calls.
 
 SGLang's engine calls `causal_conv1d_update_cpu` and `fused_sigmoid_gating_delta_rule_update_cpu`
 only when it decodes (generates tokens); an embedding/classification server only prefills, so the

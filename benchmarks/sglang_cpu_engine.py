@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The adapter inside SGLang's real CPU engine with sgl-kernel's real CPU ops, against the reference (issue 17).
+"""The adapter inside SGLang's real CPU engine with sgl-kernel's real CPU ops, against the reference.
 
 Given a local copy of the public sgl-kernel source folder, this:
   1. builds its CPU ops (`csrc/cpu/*.cpp`) outside the repository (benchmarks/sgl_cpu_ops_build.py;

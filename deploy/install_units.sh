@@ -63,7 +63,7 @@ Options (defaults in brackets)
   --force                replace existing files that differ (default: refuse and list them)
   --dry-run              print every rendered file and run the checks; write nothing
   --no-verify            skip systemd-analyze verify and haproxy -c (not recommended)
-  --bench-timer CALENDAR opt-in scheduled benchmark (issue 13): also render UNIT_DIR/openjev-bench.service
+  --bench-timer CALENDAR opt-in scheduled benchmark: also render UNIT_DIR/openjev-bench.service
                          (oneshot: app/bench_scheduled_v100.py --checkpoint MODEL ARGS) and
                          UNIT_DIR/openjev-bench.timer (OnCalendar=CALENDAR, e.g. "*-*-* 03:17:00",
                          Persistent=true, RandomizedDelaySec=10min); enable with
@@ -242,7 +242,7 @@ for pair in "--root:$ROOT" "--bundle:$BUNDLE" "--model:$MODEL" "--conf-dir:$CONF
 done
 # The admin socket path (RuntimeDirectory + name) must fit in sun_path; CONF_DIR paths do not matter.
 
-# ------------------------------------------------------------------ several hosts (issue 16)
+# ------------------------------------------------------------------ several hosts
 # A front gateway (--remote) or a peer listener (--peer-listen), mutual TLS between them; every
 # function below is only about that (DEPLOYMENT-eva01.md §12).
 is_ipv4() {
@@ -511,7 +511,7 @@ for g in "${GPUS[@]}"; do
     } >"$STAGE/conf/replica-$g.env"
 done
 
-# Opt-in scheduled benchmark (issue 13): a oneshot service and its timer.
+# Opt-in scheduled benchmark: a oneshot service and its timer.
 BENCH_UNITS=()
 if [[ -n $BENCH_TIMER ]]; then
     [[ -n $BENCH_ARGS ]] || usage_error "--bench-timer needs --bench-args (--history DIR --gpu N --port P --set ...)"

@@ -27,7 +27,7 @@ NOT_FOUND = "not_found_error"
 UNAVAILABLE = "service_unavailable"
 INTERNAL = "internal_error"
 
-# Bounded work before any parsing (issue 11). The body limit admits the largest id batch the
+# Bounded work before any parsing. The body limit admits the largest id batch the
 # contract allows (512 rows x 8191 ids is ~30 MB of JSON); the text limit counts characters of all
 # texts of one request and is checked before anything is tokenized (8192 tokens at ~4 characters a
 # token, times 32 rows).

@@ -1,5 +1,5 @@
 """Checkpoint weight names of a Transformers Qwen3.5 classifier -> the SGLang adapter's modules,
-and the strict-loading checks both backends apply (issue 10).
+and the strict-loading checks both backends apply.
 
 Pure functions (no torch, no sglang), so the mapping and the checks are tested everywhere.
 
@@ -83,7 +83,7 @@ def check_head_weights(loaded: dict[str, tuple[int, ...]], num_labels: int, hidd
                          "(num_labels x hidden_size from the config)")
 
 
-# ---------------------------------------------------------------- strict loading (issue 10)
+# ---------------------------------------------------------------- strict loading
 # A checkpoint loads only if every tensor the classifier needs is in it exactly once with the
 # right shape, and nothing else is, apart from the documented ignored prefixes (SKIPPED_PREFIXES:
 # lm_head.*, mtp.*, the vision tower). SGLang ignores the return value of load_weights and its

@@ -1,4 +1,4 @@
-"""Record real sgl-kernel CPU op calls made inside SGLang's engine, for the stand-in checks (issue 17).
+"""Record real sgl-kernel CPU op calls made inside SGLang's engine, for the stand-in checks.
 
 Enabled by OPENJEV_SGL_CPU_RECORD=DIR (with OPENJEV_SGL_CPU_OPS=<built library>): after the
 library is loaded, every op of the `sgl_kernel` namespace is wrapped on `torch.ops.sgl_kernel`

@@ -1,4 +1,4 @@
-"""Run-time glue for SGLang's CPU engine (`SGLANG_USE_CPU_ENGINE=1`, `--device cpu`), issue 17.
+"""Run-time glue for SGLang's CPU engine (`SGLANG_USE_CPU_ENGINE=1`, `--device cpu`).
 
 Which CPU ops (environment, read in every SGLang process):
 
@@ -25,8 +25,8 @@ What SGLang 0.5.23 on CPU needs besides the ops, done here at run time (no insta
     only when the processor has AMX (`_use_cpu = is_cpu() and cpu_has_amx_support()`), else Triton,
     which fails without a GPU: its `_use_cpu` is set to `is_cpu()`.
   * `sglang/srt/models/qwen3_5.py` calls `fused_sigmoid_mul_cpu(x, gate)`; the kernel's schema (the
-    sgl-kernel revision of issue 17) has a third argument, `bool inplace`, without a default: the
-    module's `_fused_sigmoid_mul_cpu` becomes a call with `inplace=True` (the 0.5.23 caller relies on
+    sgl-kernel revision the stand-ins were checked against) has a third argument, `bool inplace`,
+    without a default: the module's `_fused_sigmoid_mul_cpu` becomes a call with `inplace=True` (the 0.5.23 caller relies on
     the in-place update), only when the registered schema has that argument.
   * The AMX switch above: `torch.cpu._is_amx_tile_supported` answers False before SGLang reads it.
   * `sgl_kernel/mamba.py` calls `causal_conv1d_fwd_cpu` / `causal_conv1d_update_cpu` with

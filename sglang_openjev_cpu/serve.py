@@ -1,4 +1,4 @@
-"""The adapter on SGLang's CPU engine: `python -m sglang_openjev_cpu.serve SGLANG_FLAGS...` (issue 17).
+"""The adapter on SGLang's CPU engine: `python -m sglang_openjev_cpu.serve SGLANG_FLAGS...`.
 
 Runs `sglang_openjev.launch_server` (checkpoint preflight, `--is-embedding`, the /classify routes)
 with `--device cpu` after `sglang_openjev_cpu.runtime` has chosen the CPU ops (OPENJEV_SGL_CPU_OPS:

@@ -1,4 +1,4 @@
-"""The five corrupted checkpoints of the strict-loading tests (issue 10), shared by both backends.
+"""The five corrupted checkpoints of the strict-loading tests, shared by both backends.
 
 `write_case(src_dir, out_dir, case)` copies a good Transformers Qwen3.5 classifier checkpoint
 (config, tokenizer, one model.safetensors) and rewrites its weights in one of these ways:

@@ -281,7 +281,7 @@ def test_server_pid_must_be_the_server(server, mini, tmp_path):
 
 
 def test_empty_health_body_counts_as_up(mini, tmp_path):
-    """SGLang's own GET /health answers 200 with an empty body (issue 17 run): the bench stopped there
+    """SGLang's own GET /health answers 200 with an empty body (seen on its CPU engine): the bench stopped there
     with "GET /health did not answer JSON" before sending anything. Any 2xx now counts as up; this
     loopback server has no /server_info, so the run stops at the next step, which names it."""
     from _http_fixtures import LoopbackHTTPServer
@@ -675,7 +675,7 @@ def test_recorded_cpu_results_validate():
     assert proc.returncode == 0, proc.stderr
 
 
-# ---------------------------------------------------------------- interruptions: numbering and counts (issue 12)
+# ---------------------------------------------------------------- interruptions: numbering and counts
 class DyingFront:
     """A loopback HTTP front of the real embedded server, for interruptions at an exact point of the run.
 

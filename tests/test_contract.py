@@ -212,7 +212,7 @@ def test_server_info_requires_every_key():
         contract.server_info(**fields)
 
 
-# ---------------------------------------------------------------- issue 11: bounded work, vLLM shapes
+# ---------------------------------------------------------------- bounded work, vLLM shapes
 def tokenize_kw(texts, add_special_tokens=True):
     return [([99] if add_special_tokens else []) + [ord(c) % 90 for c in t] for t in texts]
 

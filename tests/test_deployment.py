@@ -1,4 +1,4 @@
-"""Production deployment (issue 7): systemd socket -> HAProxy gateway -> two replicas, for real.
+"""Production deployment: systemd socket -> HAProxy gateway -> two replicas, for real.
 
 Everything runs as real processes on 127.0.0.1; nothing is mocked. The units and haproxy.cfg
 are rendered by deploy/install_units.sh exactly as on eva01, except for stand-in ports (never
@@ -600,7 +600,7 @@ def test_production_port_refuses_a_second_standalone_server(deployment, overlay,
     print(f"\n{how}: refused in {secs:.1f} s: {lines[0]}")
 
 
-# ---------------------------------------------------------------- a missing root (issue 12)
+# ---------------------------------------------------------------- a missing root
 @needs_haproxy
 def test_install_units_creates_a_missing_root(overlay, tmp_path):
     root = tmp_path / "new" / "root"  # neither it nor its parent exists

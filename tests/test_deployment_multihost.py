@@ -1,4 +1,4 @@
-"""Several hosts (issue 16): a front gateway over local replicas and peer hosts, mutual TLS by HAProxy.
+"""Several hosts: a front gateway over local replicas and peer hosts, mutual TLS by HAProxy.
 
 Three hosts are played on one machine by three loopback addresses, and only those:
   127.0.0.2  front host: endpoint socket, HAProxy gateway (--remote peer3=127.0.0.3:P --remote

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_variants14.py on the CPU: the issue-14 variants run and are judged against the
+"""benchmarks/gpu_variants14.py on the CPU: the variants run and are judged against the
 baseline exact loop (on a GPU the same script wrote results_h200/embedded14/call5-variants/)."""
 
 from __future__ import annotations

@@ -277,7 +277,7 @@ def test_help_documents_the_options():
         assert flag in proc.stdout
 
 
-# ---------------------------------------------------------------- issue 12: incomplete checkpoints, carried configs
+# ---------------------------------------------------------------- incomplete checkpoints, carried configs
 def _shard(ckpt: Path) -> None:
     """Turn the single-file checkpoint into a 1-shard indexed one (real bytes, renamed)."""
     (ckpt / "model.safetensors").rename(ckpt / "model-00001-of-00002.safetensors")

@@ -202,13 +202,13 @@ def test_default_sm70_command_and_environment(run, root, checkpoint, tools):
         "--dtype": "float16", "--context-length": "8192", "--mem-fraction-static": "0.8",
         "--max-running-requests": "16", "--schedule-policy": "lpm", "--disable-cuda-graph": None,
         "--disable-piecewise-cuda-graph": None, "--mamba-scheduler-strategy": "extra_buffer",
-        "--mamba-full-memory-ratio": "3", "--enable-metrics": None, **SM70_BACKEND_FLAGS,  # metrics: issue 11
+        "--mamba-full-memory-ratio": "3", "--enable-metrics": None, **SM70_BACKEND_FLAGS,  # SGLang's own /metrics
     }
     gcc, gxx = str(tools["gcc10"] / "gcc-10"), str(tools["gcc10"] / "g++-10")
     assert env == {
         "CUDA_VISIBLE_DEVICES": "0", "OPENJEV_BACKEND": "sglang", "OPENJEV_ARCH_PROFILE": "sm70-tilelang",
         "OPENJEV_V100_ROOT": str(root), "PYTHONPATH": str(REPO), "SGLANG_EXTERNAL_MODEL_PACKAGE": "sglang_openjev",
-        "OPENJEV_SGLANG_RUNTIME": "fork-unknown", "PYTHONPYCACHEPREFIX": str(root / "pycache"),  # issue 12: no bytecode in sglang_openjev/
+        "OPENJEV_SGLANG_RUNTIME": "fork-unknown", "PYTHONPYCACHEPREFIX": str(root / "pycache"),  # no bytecode in sglang_openjev/
         **SM70_ONLY_ENV, "SGLANG_V100_DYNAMIC_PAGED": "1", "CC": gcc, "CXX": gxx, "CUDAHOSTCXX": gxx,
         **{k: str(root / v) for k, v in CACHE_ENV.items()},
     }

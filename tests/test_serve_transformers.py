@@ -233,7 +233,7 @@ def test_sigterm_stops_gracefully(overlay, tmp_path):
     assert "Shutting down" in log and "Finished server process" in log
 
 
-# ---------------------------------------------------------------- strict loading (issue 10)
+# ---------------------------------------------------------------- strict loading
 @pytest.mark.parametrize("case", strict_loading_cases.CASES)
 def test_embedded_loader_refuses_the_corrupted_checkpoints(tiny_model, tmp_path, case):
     """The five checkpoints SGLang's loader refuses (tests/test_sglang_openjev.py) are refused here

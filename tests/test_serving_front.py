@@ -1,7 +1,7 @@
-"""Issue 11 over real HTTP on 127.0.0.1: no request freezes or crashes the embedded server, vLLM
+"""The serving front over real HTTP on 127.0.0.1: no request freezes or crashes the embedded server, vLLM
 clients work unchanged, Prometheus metrics.
 
-Each test reproduces a case measured against the old server (issue 11's list) and checks the
+Each test reproduces a case measured against the old server (the list of measured cases) and checks the
 outcome, not the speed: "/health answered while ..." is an answer within a 2 s client timeout (the
 old server was frozen for 20 s), "the small request is not held behind the big one" is completion
 order. Speed figures live in benchmarks/results_cpu/serving_front_cpu.json.

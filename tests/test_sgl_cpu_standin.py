@@ -1,5 +1,5 @@
 """The pure-PyTorch stand-ins for sgl-kernel's CPU ops (openjev_testsupport.sgl_kernel_cpu_standin)
-against the real kernel, op by op, on the recorded calls in tests/data/sgl_cpu_ops/ (issue 17).
+against the real kernel, op by op, on the recorded calls in tests/data/sgl_cpu_ops/.
 
 The recordings (manifest.json there) are inputs and outputs of the compiled library (github:mingfeima/
 sglang 2f14d6c, sgl-kernel/csrc/cpu) captured inside SGLang 0.5.23's CPU engine serving /classify, plus
@@ -116,7 +116,7 @@ def test_the_stand_in_matches_the_kernel_on_the_recorded_call(op, case):
 
 
 def test_the_stand_in_refuses_what_the_kernel_refuses():
-    """The obstacle of issue 17: GDN head dims other than 64/128 are refused, with the kernel's message."""
+    """The CPU engine's obstacle: GDN head dims other than 64/128 are refused, with the kernel's message."""
     q = torch.zeros(1, 5, 2, 32, dtype=torch.bfloat16)
     v = torch.zeros(1, 5, 2, 32, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="Unexpected head dim size, 32"):

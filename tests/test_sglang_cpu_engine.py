@@ -1,4 +1,4 @@
-"""The adapter inside SGLang 0.5.23's real CPU engine, over HTTP on 127.0.0.1 (issue 17).
+"""The adapter inside SGLang 0.5.23's real CPU engine, over HTTP on 127.0.0.1.
 
 One engine per module (`python -m sglang_openjev_cpu.serve`, SGLANG_USE_CPU_ENGINE=1, bfloat16,
 radix cache on, `--chunked-prefill-size 32`) on a random-weight tiny-gdn64 classifier (GDN key/value

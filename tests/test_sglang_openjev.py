@@ -1168,7 +1168,7 @@ if __name__ == "__main__":
     sys.exit(f"usage: {sys.argv[0]} --probe OUT_DIR (run by the tests)")
 
 
-# ---------------------------------------------------------------- strict loading (issue 10)
+# ---------------------------------------------------------------- strict loading
 def test_unexpected_or_duplicated_checkpoint_tensors_are_refused_with_the_list():
     weights.check_checkpoint_names([], [])  # a clean checkpoint passes
     with pytest.raises(ValueError, match=r"1 unexpected tensor\(s\): backbone\.layers\.0\.x"):

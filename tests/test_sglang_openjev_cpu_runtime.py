@@ -1,4 +1,4 @@
-"""Pure parts of sglang_openjev_cpu (issue 17): the CPU entry point's flags and refusals, and the
+"""Pure parts of sglang_openjev_cpu: the CPU entry point's flags and refusals, and the
 conv-history correction, checked against a plain PyTorch causal convolution. The engine itself runs in
 tests/test_sglang_cpu_engine.py (real SGLang venv); these need only torch."""
 from __future__ import annotations

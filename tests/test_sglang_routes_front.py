@@ -1,4 +1,4 @@
-"""Issue 11 on the SGLang adapter's routes (`sglang_openjev/routes.py`), over real HTTP on 127.0.0.1.
+"""The serving front on the SGLang adapter's routes (`sglang_openjev/routes.py`), over real HTTP on 127.0.0.1.
 
 The routes run on SGLang's own FastAPI app where sglang is importable and on a plain FastAPI app
 otherwise (the fake tokenizer manager of tests/test_sglang_openjev.py stands in for SGLang's

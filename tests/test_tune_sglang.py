@@ -459,7 +459,7 @@ def test_stale_pid_files_are_reported_and_replaced(overlay, sample_tokens, refer
     assert r.returncode == 1 and "unreadable" in error_lines(r.stderr)[0] and not (tmp_path / "t9").exists()
 
 
-# ================================================================ the tuner killed outright (issue 12)
+# ================================================================ the tuner killed outright
 def _descendants(pid: int) -> list[psutil.Process]:
     try:
         return psutil.Process(pid).children(recursive=True)

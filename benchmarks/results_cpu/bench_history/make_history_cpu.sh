@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 13: a CPU history of scheduled runs (embedded backend, tiny random-weight model, the 22-row
+# A CPU history of scheduled runs (embedded backend, tiny random-weight model, the 22-row
 # sample) and its report + plot: two normal runs, one with --torch-threads 32 (oversubscribing the
 # cores: a real, slower server setting), one SIGKILLed midway. Run from the repository root:
 #   bash benchmarks/results_cpu/bench_history/make_history_cpu.sh
