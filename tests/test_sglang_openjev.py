@@ -875,13 +875,16 @@ by = {c.__name__: p for c, p in mp.PROCESSOR_MAPPING.items()}
 cls = by.get("Qwen3_5ForSequenceClassification")
 out["processor"] = {"stock_has_it": "Qwen3_5ForSequenceClassification" in stock, "cls": cls and cls.__name__, "base": by["Qwen3_5ForConditionalGeneration"].__name__,
                     "subclass": bool(cls) and issubclass(cls, by["Qwen3_5ForConditionalGeneration"])}
+import argparse
 from sglang_openjev import warmup
 from sglang.srt.entrypoints import warmup as sglang_warmup
-from sglang.srt.server_args import prepare_server_args
+from sglang.srt.server_args import ServerArgs
 
 argv, _, _ = ls.adapt_to_runtime(["--model-path", str(work / "tiny")], os.environ)
+parser = argparse.ArgumentParser()
+ServerArgs.add_cli_args(parser)  # SGLang's own flags (its checks past parsing need a GPU for extra_buffer)
 out["warmup"] = {"registered": sglang_warmup._warmup_registry.get(warmup.NAME) is warmup.classifier_warmup,
-                 "argv": argv, "parsed": prepare_server_args([*argv, "--device", "cpu"]).warmups}
+                 "argv": argv, "parsed": parser.parse_args(argv).warmups}
 print(json.dumps(out))
 """
 
