@@ -30,6 +30,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "app"))
+from _common import atomic_write_bytes, sha256_file  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 PROG = "sglang_gpu_wheels"
 MADE_BY = "benchmarks/sglang_gpu_wheels.py"
@@ -80,14 +83,6 @@ def wheel_name_version(filename: str) -> tuple[str, str]:
     if not filename.endswith(".whl") or len(parts) not in (5, 6):
         raise Refused(f"not a wheel file name: {filename}")
     return canon(parts[0]), parts[1]
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def record_hash(data: bytes) -> str:
@@ -370,7 +365,7 @@ def build(args) -> int:
         for p in stale:
             p.unlink()
             print(f"removed {p.name} (no longer pinned)", flush=True)
-        (out / "manifest.json").write_text(text)
+        atomic_write_bytes(out / "manifest.json", text.encode())
         print(f"budget: {line} <= {args.budget_mib:g} MiB", flush=True)
         return 0
     finally:

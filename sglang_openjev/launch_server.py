@@ -183,14 +183,15 @@ def check_hybrid_layout(text_config: Mapping) -> Optional[int]:
     return None
 
 
-def preflight_checkpoint(model_path: Optional[str]) -> Optional[dict]:
-    """The checkpoint's config.json, checked (None when the model is not a local directory)."""
+def preflight_checkpoint(model_path: Optional[str]) -> tuple[Optional[dict], Optional[int]]:
+    """The checkpoint's config.json, checked, and the interval check_checkpoint_config returns
+    ((None, None) when the model is not a local directory)."""
     if not model_path:
-        return None  # SGLang reports the missing --model-path itself
+        return None, None  # SGLang reports the missing --model-path itself
     path = Path(model_path).expanduser()
     if not path.is_dir():
         logger.warning("%s is not a local directory; skipping the label-order preflight", model_path)
-        return None
+        return None, None
     cfg = path / "config.json"
     try:
         config = json.loads(cfg.read_text())
@@ -200,8 +201,7 @@ def preflight_checkpoint(model_path: Optional[str]) -> Optional[dict]:
         raise LaunchError(f"cannot read {cfg}: {exc}") from None
     if not isinstance(config, dict):
         raise LaunchError(f"{cfg} is not a JSON object")
-    check_checkpoint_config(config)
-    return config
+    return config, check_checkpoint_config(config)
 
 
 def check_server_args(server_args) -> None:
@@ -304,6 +304,16 @@ def flag_value(argv: Sequence[str], flag: str) -> tuple[Optional[int], Optional[
     return found
 
 
+def with_flag_value(argv: Sequence[str], flag: str, value: str) -> list[str]:
+    """argv with FLAG's (last) value replaced by VALUE in the spelling given, or FLAG VALUE appended."""
+    argv = list(argv)
+    index, given = flag_value(argv, flag)
+    if index is None:
+        return [*argv, flag, value]
+    argv[index] = value if argv[index] == given else f"{flag}={value}"
+    return argv
+
+
 def with_layout_override(argv: Sequence[str], interval: int, runtime: Optional[Runtime]) -> tuple[list[str], str]:
     """argv with text_config.full_attention_interval=INTERVAL in --json-model-override-args (merged
     into an operator's own override). Returns (argv, note)."""
@@ -314,8 +324,7 @@ def with_layout_override(argv: Sequence[str], interval: int, runtime: Optional[R
                           f"the hybrid layout from that key alone: add \"full_attention_interval\": {interval} to "
                           "text_config (the base Qwen/Qwen3.5 config carries it), or serve with stock SGLang >= "
                           f"{'.'.join(map(str, NESTED_OVERRIDE_SINCE))}, where this launcher passes it")
-    argv = list(argv)
-    index, value = flag_value(argv, OVERRIDE_FLAG)
+    _, value = flag_value(argv, OVERRIDE_FLAG)
     try:
         override = json.loads(value) if value else {}
     except json.JSONDecodeError as exc:
@@ -329,11 +338,7 @@ def with_layout_override(argv: Sequence[str], interval: int, runtime: Optional[R
                           f"layer_types follow {interval}")
     text["full_attention_interval"] = interval
     encoded = json.dumps({**override, "text_config": text}, separators=(",", ":"))
-    if index is None:
-        argv += [OVERRIDE_FLAG, encoded]
-    else:
-        argv[index] = encoded if argv[index] == value else f"{OVERRIDE_FLAG}={encoded}"
-    return argv, (f"text_config.full_attention_interval={interval} passed in {OVERRIDE_FLAG}: the checkpoint has "
+    return with_flag_value(argv, OVERRIDE_FLAG, encoded), (f"text_config.full_attention_interval={interval} passed in {OVERRIDE_FLAG}: the checkpoint has "
                   "layer_types only, and SGLang builds the hybrid layout from the interval")
 
 
@@ -426,10 +431,9 @@ def prepare_launch(argv: Sequence[str], environ: MutableMapping[str, str]) -> tu
     """Everything before SGLang is imported: environment, checkpoint preflight, --is-embedding, the
     layout override and the state and tree-core choices. Returns (argv, notes)."""
     prepare_environment(environ)
-    config = preflight_checkpoint(model_path_from_argv(argv))
+    config, interval = preflight_checkpoint(model_path_from_argv(argv))
     argv = with_embedding_flag(argv)
     notes: list[str] = []
-    interval = check_checkpoint_config(config) if config is not None else None
     if interval is not None:
         try:
             runtime: Optional[Runtime] = detect_runtime()
@@ -473,16 +477,26 @@ def adapt_extra_buffer(server_args_cls: Any, spec_fields: Sequence[str]) -> tupl
 
 def with_warmup_flag(argv: Sequence[str], name: str) -> list[str]:
     """argv with NAME in --warmups (appended to an operator's list; once)."""
-    argv = list(argv)
-    index, value = flag_value(argv, "--warmups")
-    names = [n for n in (value or "").split(",") if n]
-    if name in names:
-        return argv
-    joined = ",".join([*names, name])
-    if index is None:
-        return [*argv, "--warmups", joined]
-    argv[index] = joined if argv[index] == value else f"--warmups={joined}"
-    return argv
+    names = [n for n in (flag_value(argv, "--warmups")[1] or "").split(",") if n]
+    return list(argv) if name in names else with_flag_value(argv, "--warmups", ",".join([*names, name]))
+
+
+# flag -> the server argument SGLang reports it under
+ASKED_FLAGS = {"--attention-backend": "attention_backend", "--linear-attn-backend": "linear_attn_backend",
+               "--linear-attn-prefill-backend": "linear_attn_prefill_backend",
+               "--linear-attn-decode-backend": "linear_attn_decode_backend",
+               "--mamba-radix-cache-strategy": "mamba_radix_cache_strategy",
+               "--mamba-scheduler-strategy": "mamba_scheduler_strategy", "--dtype": "dtype"}
+
+
+def asked_by(argv: Sequence[str]) -> dict[str, Any]:
+    """The server arguments ARGV sets explicitly (the last value of a flag given twice), as SGLang
+    reports them, for the warm-up's served-state check."""
+    asked: dict[str, Any] = {key: value for flag, key in ASKED_FLAGS.items()
+                             if (value := flag_value(argv, flag)[1]) is not None}
+    if "--disable-radix-cache" in argv:
+        asked["disable_radix_cache"] = True
+    return asked
 
 
 def strategy_flag(argv: Sequence[str]) -> tuple[Optional[int], Optional[str]]:
@@ -563,7 +577,7 @@ def adapt_to_runtime(argv: Sequence[str], environ: MutableMapping[str, str], ear
 
     if warmup.register():
         argv = with_warmup_flag(argv, warmup.NAME)
-        warmup.ASKED.update(warmup.asked_by(argv))
+        warmup.ASKED.update(asked_by(argv))
     else:
         adaptations.append("no custom warm-ups in this SGLang: the first request compiles the kernels")
     environ[ADAPTATIONS_ENV] = json.dumps(adaptations)

@@ -8,7 +8,7 @@ with initial states and conv history, runs on the second send when the cache is 
 cache so no warm-up row is ever served from it. A failure stops the start with its error.
 
 Before the rows, the scheduler's own state (SGLang's internal state, what it actually runs with) is
-held against what the command line asked (`ASKED`, set by the launcher from the flags given): the
+held against what the command line asked (`ASKED`, set by the launcher: `launch_server.asked_by`): the
 attention and linear-attention backends, the mamba strategy, the radix cache and the dtype must be
 what was asked (no silent fallback), and with extra_buffer the GDN state pool must hold at least
 SLOTS_PER_REQUEST slots per running request.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 NAME = "openjev_classifier"
 PREFIX_TOKENS = 600
@@ -28,13 +28,6 @@ SHORT_TOKENS = 20
 FIRST_ID = 3  # ids below are special tokens in Qwen3.5's tokenizer and in the tiny test models'
 FLUSH_WAIT_S = 30.0
 SLOTS_PER_REQUEST = 5  # extra_buffer: the working state, its snapshots and a cached prefix per request
-# flag -> the server argument SGLang reports it under (a flag without a value: True)
-ASKED_FLAGS = {"--attention-backend": "attention_backend", "--linear-attn-backend": "linear_attn_backend",
-               "--linear-attn-prefill-backend": "linear_attn_prefill_backend",
-               "--linear-attn-decode-backend": "linear_attn_decode_backend",
-               "--mamba-radix-cache-strategy": "mamba_radix_cache_strategy",
-               "--mamba-scheduler-strategy": "mamba_scheduler_strategy", "--dtype": "dtype",
-               "--disable-radix-cache": "disable_radix_cache"}
 ASKED: dict[str, Any] = {}
 
 logger = logging.getLogger(__name__)
@@ -59,23 +52,6 @@ async def classifier_warmup(disaggregation_mode: str, tokenizer_manager: Any) ->
     from sglang_openjev.routes import SGLangRuntime
 
     await run_warmup(SGLangRuntime.from_sglang(), tokenizer_manager)
-
-
-def asked_by(argv: Sequence[str]) -> dict[str, Any]:
-    """The server arguments ARGV sets explicitly (the last value of a flag given twice)."""
-    asked: dict[str, Any] = {}
-    for i, arg in enumerate(argv):
-        flag, eq, value = arg.partition("=")
-        key = ASKED_FLAGS.get(flag)
-        if key is None:
-            continue
-        if key == "disable_radix_cache":
-            asked[key] = True
-        elif eq:
-            asked[key] = value
-        elif i + 1 < len(argv):
-            asked[key] = argv[i + 1]
-    return asked
 
 
 def served_state_problems(asked: Mapping[str, Any], served: Mapping[str, Any]) -> list[str]:

@@ -396,7 +396,7 @@ def test_warmup_refuses_a_scheduler_that_runs_something_else(monkeypatch):
 def test_asked_server_arguments_are_read_from_the_flags_given():
     argv = ["--attention-backend", "triton", "--dtype=float16", "--disable-radix-cache", "--port", "1",
             "--mamba-radix-cache-strategy", "extra_buffer", "--mamba-radix-cache-strategy", "no_buffer"]
-    assert warmup.asked_by(argv) == {"attention_backend": "triton", "dtype": "float16", "disable_radix_cache": True,
+    assert launch_server.asked_by(argv) == {"attention_backend": "triton", "dtype": "float16", "disable_radix_cache": True,
                                      "mamba_radix_cache_strategy": "no_buffer"}
 
 
