@@ -9,9 +9,10 @@
 # STAGES (default "setup prep sglang_cache sglang_uncached embedded"), in order:
 #   setup            .carry/wheels installed into SITE (default /tmp/site) unless already there; the
 #                    sgl_kernel stand-ins' GPU test (tests/test_sgl_cuda_standin.py -m gpu)
-#   prep             the random-weight Qwen3.5-4B-shape classifier (FP16) and the 128-row set
-#                    (benchmarks/h200_session14.sh prep), the T-like set (564 rows, premises 300-2500
-#                    tokens, option groups) and, for each set in SETS, its exact FP16 reference
+#   prep             the random-weight Qwen3.5-4B-shape classifier (FP16) and the 128-row set s128
+#                    (benchmarks/h200_session14.sh prep), the G-like set g303 (303 rows, premises
+#                    200-1500 tokens) and the T-like set t564 (564 rows, premises 300-2500 tokens), all in
+#                    option groups, and, for each set in SETS, its exact FP16 reference
 #                    (app/score_reference.py)
 #   sglang_cache     app/serve_sglang_v100.sh with the radix cache (extra_buffer); per set: bench with
 #                    --cold-cache (flushed before each pass), then warm
@@ -23,8 +24,12 @@
 #   variant          one server with VARIANT_ARGS (serve_sglang_v100.sh flags) and VARIANT_ENV
 #                    (NAME=VALUE words), benches VARIANT_MODES (default flushed), receipts tagged VARIANT_TAG
 #   native_ops       the faithfulness bisection's next step: every SGLang fused op (norms, activation,
-#                    ...) on its forward_native path (SGLANG_FORCE_FUSED_OP_BACKEND=native, SGLang's own
+#                    ...) on its forward_native path (SGLANG_FORCE_FUSED_OP_BACKEND=torch, SGLang's own
 #                    switch for bisecting numerics), no chunking, no cuBLAS split-K; flushed bench on s128
+#   divergence       module by module: SGLang (radix cache off, no chunking) with --forward-hooks capturing
+#                    every mixer, GDN core, gated norm and MLP output of the rows DIVERGENCE_ROWS of s128
+#                    (default the group the audit failed on), each sent alone; then
+#                    benchmarks/sglang_gpu_divergence.py against the Transformers reference's modules
 # Benches: app/bench_classify_v100.py, batches of 32 from 4 workers, 3 measured passes, the GPU-exclusivity
 # monitor on GPU 0; then benchmarks/compute_bound.py.
 # Environment: PYTHON (python3), WORK (/tmp/openjev-sglang-gpu), SITE (/tmp/site), SETS ("s128 t564"),
@@ -55,7 +60,10 @@ pack() { tar -czf "$OUTDIR/results.tgz" -C "$R" . ; }
 log() { echo "== $(date -u +%H:%M:%S) $*"; }
 code() { echo "$1 exit $2" | tee -a "$R/exit_codes.txt"; }
 free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-set_path() { case $1 in s128) echo "$W/set-128-200-1500" ;; t564) echo "$W/set-564-300-2500" ;; *) return 1 ;; esac; }
+set_path() {
+  case $1 in s128) echo "$W/set-128-200-1500" ;; g303) echo "$W/set-303-200-1500" ;; t564) echo "$W/set-564-300-2500" ;;
+    *) return 1 ;; esac
+}
 
 stage_setup() {
   if ! "$PY" -c 'import sglang, sys; sys.exit(sglang.__version__ != "0.5.23")' 2>/dev/null; then
@@ -75,6 +83,8 @@ stage_prep() {
   WORK=$W STAGES=prep bash benchmarks/h200_session14.sh "$W/prep14" >/dev/null || return 1
   [ -e "$W/set-564-300-2500.jsonl" ] || "$PY" app/make_synthetic_inputs.py "$W/set-564-300-2500" --rows 564 \
     --premise-tokens 300:2500 --vocab 512 --seed 564 || return 1
+  [ -e "$W/set-303-200-1500.jsonl" ] || "$PY" app/make_synthetic_inputs.py "$W/set-303-200-1500" --rows 303 \
+    --premise-tokens 200:1500 --vocab 512 --seed 303 || return 1
   for s in $SETS; do
     local set ref="$W/ref-$s"
     set=$(set_path "$s") || return 1
@@ -140,8 +150,32 @@ stage_sglang_uncached() { run_sglang uncached uncached --disable-radix-cache; }
 stage_ssm_fp16() { SETS=t564 SGLANG_MAMBA_SSM_DTYPE=float16 run_sglang ssm_fp16 flushed; }
 
 stage_native_ops() {
-  SETS=s128 SGLANG_FORCE_FUSED_OP_BACKEND=native CUBLAS_WORKSPACE_CONFIG=:0:0 \
+  SETS=s128 SGLANG_FORCE_FUSED_OP_BACKEND=torch CUBLAS_WORKSPACE_CONFIG=:0:0 \
     run_sglang native_ops flushed --chunked-prefill-size -1
+}
+
+stage_divergence() {
+  local port pid set="$(set_path s128)" cap="$W/capture" hooks
+  local ids=${DIVERGENCE_ROWS:-syn00045-0 syn00045-1 syn00045-2 syn00045-3}
+  rm -rf "$cap" && mkdir -p "$cap"
+  # shellcheck disable=SC2086
+  hooks=$("$PY" benchmarks/sglang_forward_capture.py hooks --tokens "$set.tokens.jsonl" --ids $ids --dir "$cap" \
+    --layers 32) || return 1
+  port=$(free_port)
+  PYTHONPATH="$REPO/benchmarks:$PYTHONPATH" OPENJEV_PYTHON=$PY OPENJEV_V100_ROOT="$W/root" CUDA_VISIBLE_DEVICES=0 \
+    bash app/serve_sglang_v100.sh "$MODEL" "$port" --attention-backend triton --sampling-backend pytorch \
+    --linear-attn-prefill-backend triton --grammar-backend none --skip-server-warmup --disable-radix-cache \
+    --chunked-prefill-size -1 --forward-hooks "$hooks" >"$R/sglang_divergence.server.log" 2>&1 &
+  pid=$!
+  wait_healthy "$pid" "$port" "$R/sglang_divergence.server.log" || { kill "$pid"; return 1; }
+  # shellcheck disable=SC2086
+  "$PY" benchmarks/sglang_forward_capture.py send --tokens "$set.tokens.jsonl" --ids $ids \
+    --url "http://127.0.0.1:$port" --out "$cap/logits.json" || { kill "$pid"; return 1; }
+  sleep 2
+  kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+  mkdir -p "$R/divergence" && cp "$cap/logits.json" "$R/divergence/sglang_logits.json" && ls -la "$cap"
+  "$PY" benchmarks/sglang_gpu_divergence.py --model "$MODEL" --tokens "$set.tokens.jsonl" --captures "$cap" \
+    --sglang-logits "$cap/logits.json" --out "$R/divergence" --machine-label "$LABEL"
 }
 
 stage_variant() {  # shellcheck disable=SC2086
@@ -160,9 +194,9 @@ stage_embedded() {
   return 0
 }
 
-export PY W R SITE SETS REPS SHAPE MODEL LABEL SGLANG_ARGS VARIANT_ARGS VARIANT_ENV VARIANT_TAG VARIANT_MODES
+export REPO PY W R SITE SETS REPS SHAPE MODEL LABEL SGLANG_ARGS VARIANT_ARGS VARIANT_ENV VARIANT_TAG VARIANT_MODES
 export -f free_port set_path wait_healthy bench run_sglang stage_setup stage_prep stage_sglang_cache \
-  stage_sglang_uncached stage_ssm_fp16 stage_embedded stage_variant stage_native_ops
+  stage_sglang_uncached stage_ssm_fp16 stage_embedded stage_variant stage_native_ops stage_divergence
 for s in ${STAGES:-setup prep sglang_cache sglang_uncached embedded}; do
   log "stage $s"
   timeout -k 10 "$TO" bash -c "stage_$s" 2>&1 | tee "$R/stage_$s.log"
