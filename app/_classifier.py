@@ -10,7 +10,7 @@ backend can be checked against the reference bit for bit where the arithmetic al
           through the same SDPA call the exact forward makes (`rowwise_attention`), and cuBLAS
           runs without split-K (app/_kernels.py configure_backends), so on a GPU a padded
           forward repeats the exact forward's arithmetic: bitwise equal on the H200
-          (results_h200/embedded14/call9-rowwise). On a CPU the PyTorch GDN fallback is not
+          (results_h200/embedded_gpu/call9-rowwise). On a CPU the PyTorch GDN fallback is not
           batch-invariant, so the last bits differ and the agreement tolerance applies.
 
 Pooling is Transformers' own: the rightmost token that is not `pad_token_id`
@@ -132,7 +132,7 @@ def score_exact(clf: Classifier, rows: list[list[int]], threads: int = 1, progre
 
     The forward is Transformers' own with use_cache=False: a classifier never reads the cache
     object (conv and recurrent states, key/value pairs) that use_cache would build and fill.
-    The logits are bitwise those of the default call (H200, results_h200/embedded14/call5-variants:
+    The logits are bitwise those of the default call (H200, results_h200/embedded_gpu/call5-variants:
     128 rows bitwise equal; CPU: tests/test_score_reference.py). Logits stay on the device and are
     copied back once, so no row waits for the previous one to finish.
 
@@ -216,8 +216,8 @@ def rowwise_attention() -> str:
     function with no mask, which is the call an unpadded forward of that row makes (causal,
     FlashAttention on a GPU). The masked padded call runs a different kernel (memory-efficient,
     with a mask) whose rounding differs: on the H200 the first difference between a padded and
-    an exact forward was the first full-attention layer (benchmarks/gpu_divergence14.py,
-    results_h200/embedded14/call8-blas). Padding positions get zeros; with right padding no real
+    an exact forward was the first full-attention layer (benchmarks/experiments/embedded_gpu_divergence.py,
+    results_h200/embedded_gpu/call8-blas). Padding positions get zeros; with right padding no real
     token reads them. OPENJEV_PADDED_ATTENTION=masked keeps Transformers' masked call."""
     mode = padded_attention_mode()
     if mode != "rowwise":

@@ -1,7 +1,7 @@
 """Fused Triton kernels for the embedded server's forward, used only where they give, on this
 GPU, bit for bit what the Transformers modules they replace give.
 
-The profile of the padded FP16 forward (results_h200/embedded14): besides the matmuls and
+The profile of the padded FP16 forward (results_h200/embedded_gpu): besides the matmuls and
 flash-linear-attention's kernels, about half of the device time is PyTorch's elementwise work
 between them: the norms upcast to float32 and write every intermediate (`x.float()`, `pow`,
 `mean`, `* rsqrt`, `* (1 + w)`, `.type_as`), the MLP writes `silu(gate)` before multiplying by

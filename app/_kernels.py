@@ -124,17 +124,17 @@ def _default_env(var: str, value: str, key: str, reason: str) -> dict:
 def batch_invariant_blas() -> dict:
     """Run cuBLAS without a workspace unless the operator chose CUBLAS_WORKSPACE_CONFIG.
 
-    Measured on the H200 (benchmarks/gpu_divergence14.py, results_h200/embedded14/call7-divergence,
-    call8-blas): with PyTorch's default workspace, cuBLAS splits the K dimension of the MLP's
-    down projection (K 9216, N 2560) for short rows and not for a padded batch of them, so the
-    same row's output differed in the last bits between an exact and a padded forward; every other
-    linear layer, norm and the GDN kernels were bitwise batch-invariant. Without a workspace cuBLAS
-    cannot split K and the down projection became batch-invariant too; padded passes took
-    3.16 s for 128 rows with it (call 8) and 3.15 s without (call 7), on two lent machines: not
-    a same-machine comparison. PyTorch reads the variable once, at its first cuBLAS call,
-    so this runs when app/_kernels.py is imported (load_classifier imports it before any GPU work);
-    if CUDA was already initialised then, a cuBLAS handle made before may keep its workspace, and
-    the record says so."""
+    Measured on the H200 (benchmarks/experiments/embedded_gpu_divergence.py,
+    results_h200/embedded_gpu/call7-divergence, call8-blas): with PyTorch's default workspace,
+    cuBLAS splits the K dimension of the MLP's down projection (K 9216, N 2560) for short rows and
+    not for a padded batch of them, so the same row's output differed in the last bits between an
+    exact and a padded forward; every other linear layer, norm and the GDN kernels were bitwise
+    batch-invariant. Without a workspace cuBLAS cannot split K and the down projection became
+    batch-invariant too; padded passes took 3.16 s for 128 rows with it (call 8) and 3.15 s without
+    (call 7), on two lent machines: not a same-machine comparison. PyTorch reads the variable once,
+    at its first cuBLAS call, so this runs when app/_kernels.py is imported (load_classifier imports
+    it before any GPU work); if CUDA was already initialised then, a cuBLAS handle made before may
+    keep its workspace, and the record says so."""
     out = _default_env(BLAS_WORKSPACE_ENV, BLAS_WORKSPACE, "cublas_workspace_config",
                        "no split-K: GEMM rows independent of the batch (padded == exact arithmetic)")
     torch = sys.modules.get("torch")
@@ -154,7 +154,7 @@ def shared_autotuning() -> dict:
 
     flash-linear-attention autotunes its kernels by timing (block sizes, dot precision, warps),
     and a different choice changes the last bits. Measured on the H200
-    (results_h200/embedded14/call12-autotune): the reference scorer and two server processes of
+    (results_h200/embedded_gpu/call12-autotune): the reference scorer and two server processes of
     one machine, each tuning for itself, gave logits that differed in every row (the server vs
     the reference: max |dp_e| 0.00226); in call 11 they happened to choose alike (0). With the
     choices cached, the first process to tune a kernel (its key: head counts and dims, not the
@@ -314,7 +314,7 @@ def pin_fla_configs(device: str, heads: int, dk: int, dv: int, dtype: str = "flo
     Why: fla autotunes per key, and some keys hold the shape; l2norm's is NB =
     ceil(rows x length x heads / 65536), so an exact one-row forward (NB 1) and a padded forward
     of 16 long rows (NB 12) ran different configurations, which sum a row in another order.
-    Measured on the H200 (results_h200/embedded14/call15-dp-cuts): the least-padding cuts formed forwards
+    Measured on the H200 (results_h200/embedded_gpu/call15-dp-cuts): the least-padding cuts formed forwards
     of up to 24k tokens and the server's logits left the reference's in every pass (max |dp_e|
     0.00226), also within one process. Tuned once per machine and head shape at [4, 1024, heads,
     dk/dv]."""
@@ -355,7 +355,7 @@ def pin_fla_configs(device: str, heads: int, dk: int, dv: int, dtype: str = "flo
 def configure_backends(device: str) -> dict:
     """PyTorch backend switches for varying sequence lengths on a GPU (the model code is untouched).
 
-    Measured on an H200 (results_h200/embedded14/profile): for every new sequence length cuDNN
+    Measured on an H200 (results_h200/embedded_gpu/profile): for every new sequence length cuDNN
     builds a new execution plan for the GDN layers' depthwise causal conv1d (5.7 ms of CPU per
     call, 24 calls a forward) and SDPA's cuDNN attention backend builds a new graph (4.8 ms per
     call, 8 calls), so a forward at an unseen length cost 240 ms instead of 55 ms. With cuDNN off

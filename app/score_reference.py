@@ -12,7 +12,7 @@ default) scores each row alone and unpadded: the purest reference. A larger batc
 similar length into one forward (recorded as mode "padded"); its full-attention layers attend
 row by row and cuBLAS runs without split-K (app/_classifier.py, app/_kernels.py), so on a GPU the
 padded logits are bitwise the unpadded ones (H200: 128 rows, 41.6 rows/s with --batch-size 8
-against 18.5 unpadded, results_h200/embedded14/call9-rowwise). --verify-rows N checks that on
+against 18.5 unpadded, results_h200/embedded_gpu/call9-rowwise). --verify-rows N checks that on
 the machine at hand: N rows are scored again unpadded and must match bit for bit, else nothing is
 written. On a CPU the PyTorch GDN fallback is not batch-invariant: padded differs in the last bits.
 

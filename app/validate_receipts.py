@@ -4,7 +4,8 @@
 Each PATH is a receipt file or a directory (every *.json under it, recursively, except schema
 files). A receipt's "kind" picks its schema: every results_v100/schemas/*.schema.json declares the
 kind it validates as `properties.kind.const` (bench_receipt.schema.json: "openjev-bench",
-reference.schema.json: "openjev-reference"). To support a new receipt kind, drop a draft 2020-12
+reference.schema.json: "openjev-reference"), or the kinds as `properties.kind.enum` (a renamed kind
+and the old one its recorded receipts carry). To support a new receipt kind, drop a draft 2020-12
 schema with such a const into that directory; nothing here changes. Two schemas claiming one kind
 is an error.
 
@@ -44,6 +45,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def schema_kinds(schema: dict) -> list[str]:
+    """The kinds a schema validates: properties.kind.const, or every string of properties.kind.enum
+    (a renamed kind beside the old one that recorded receipts keep); [] when it declares none."""
+    spec = (schema.get("properties") or {}).get("kind") or {}
+    if isinstance(spec.get("const"), str):
+        return [spec["const"]]
+    enum = spec.get("enum")
+    if isinstance(enum, list) and enum and all(isinstance(k, str) for k in enum):
+        return list(enum)
+    return []
+
+
 def load_schemas(directory: Path) -> dict:
     """kind -> (schema path, validator) for every schema file in `directory`."""
     from jsonschema import Draft202012Validator, FormatChecker
@@ -58,12 +71,14 @@ def load_schemas(directory: Path) -> dict:
             Draft202012Validator.check_schema(schema)
         except (json.JSONDecodeError, SchemaError) as exc:
             raise UserError(f"schema {path} is broken: {str(exc).splitlines()[0]}") from None
-        kind = ((schema.get("properties") or {}).get("kind") or {}).get("const")
-        if not isinstance(kind, str):
-            raise UserError(f"schema {path} does not declare its kind (properties.kind.const)")
-        if kind in out:
-            raise UserError(f"schemas {out[kind][0].name} and {path.name} both claim kind {kind!r}")
-        out[kind] = (path, Draft202012Validator(schema, format_checker=FormatChecker()))
+        kinds = schema_kinds(schema)
+        if not kinds:
+            raise UserError(f"schema {path} does not declare its kind (properties.kind.const or .enum)")
+        validator = Draft202012Validator(schema, format_checker=FormatChecker())
+        for kind in kinds:
+            if kind in out:
+                raise UserError(f"schemas {out[kind][0].name} and {path.name} both claim kind {kind!r}")
+            out[kind] = (path, validator)
     if not out:
         raise UserError(f"no *{SCHEMA_SUFFIX} files in {directory}")
     return out

@@ -10,7 +10,7 @@
 #   setup            .carry/wheels installed into SITE (default /tmp/site) unless already there; the
 #                    sgl_kernel stand-ins' GPU test (tests/test_sgl_cuda_standin.py -m gpu)
 #   prep             the random-weight Qwen3.5-4B-shape classifier (FP16) and the 128-row set s128
-#                    (benchmarks/h200_session14.sh prep), the G-like set g303 (303 rows, premises
+#                    (benchmarks/experiments/embedded_h200_session.sh prep), the G-like set g303 (303 rows, premises
 #                    200-1500 tokens) and the T-like set t564 (564 rows, premises 300-2500 tokens), all in
 #                    option groups, and, for each set in SETS, its exact FP16 reference
 #                    (app/score_reference.py)
@@ -80,7 +80,7 @@ stage_setup() {
 }
 
 stage_prep() {
-  WORK=$W STAGES=prep bash benchmarks/h200_session14.sh "$W/prep14" >/dev/null || return 1
+  WORK=$W STAGES=prep bash benchmarks/experiments/embedded_h200_session.sh "$W/prep-embedded" >/dev/null || return 1
   [ -e "$W/set-564-300-2500.jsonl" ] || "$PY" app/make_synthetic_inputs.py "$W/set-564-300-2500" --rows 564 \
     --premise-tokens 300:2500 --vocab 512 --seed 564 || return 1
   [ -e "$W/set-303-200-1500.jsonl" ] || "$PY" app/make_synthetic_inputs.py "$W/set-303-200-1500" --rows 303 \

@@ -4,7 +4,7 @@ Transformers' modules, and a model with them gives the same logits.
 On a CPU the Triton kernels run under Triton's interpreter (TRITON_INTERPRET=1, numpy), in a
 subprocess of their own because the interpreter is chosen when the kernels are defined. The
 interpreter's exp is numpy's, not libdevice's, so pieces with a silu may fail their check here:
-the test then sees the refusal path. On a GPU (the H200, results_h200/embedded14/call11-fused)
+the test then sees the refusal path. On a GPU (the H200, results_h200/embedded_gpu/call11-fused)
 all four pieces passed and the fused padded forward was bitwise the exact reference.
 """
 
@@ -177,16 +177,17 @@ def test_server_refuses_an_unknown_fused_mode(overlay, tmp_path):
 @pytest.mark.gpu
 def test_fused_padded_forwards_on_a_gpu_are_bitwise_the_reference(overlay, sample_tokens, tmp_path):
     """On a GPU every piece passes its check and the fused padded forwards give the exact
-    reference's bits (benchmarks/gpu_variants14.py in a subprocess, so this process keeps its
-    CPU kernel binding)."""
+    reference's bits (benchmarks/experiments/embedded_gpu_variants.py in a subprocess, so this process
+    keeps its CPU kernel binding)."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device: the fused pieces are Triton GPU kernels; measured on an H200: "
-                    "results_h200/embedded14/call11-fused")
+                    "results_h200/embedded_gpu/call11-fused")
     if triton_missing:
         pytest.skip(triton_missing)
     out = tmp_path / "v"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_variants14.py"), "--model", str(overlay),
+    script = REPO / "benchmarks" / "experiments" / "embedded_gpu_variants.py"
+    proc = subprocess.run([sys.executable, str(script), "--model", str(overlay),
                            "--tokens", str(sample_tokens), "--out", str(out), "--device", "cuda", "--rows", "8",
                            "--repeats", "1", "--variants", "exact_async,padded_fused"],
                           capture_output=True, text=True, timeout=600)

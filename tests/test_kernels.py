@@ -56,7 +56,7 @@ def test_cpu_load_reports_the_fallback_and_its_reason(overlay):
 # a GEMM's rows independent of the row count (padded == exact on a GPU); torch reads it at its first
 # cuBLAS call. TRITON_CACHE_AUTOTUNING: fla autotunes by timing and a different pick changes the last
 # bits (the reference and the server of one H200 differed in every row,
-# results_h200/embedded14/call12-autotune); Triton reads it when fla defines its kernels.
+# results_h200/embedded_gpu/call12-autotune); Triton reads it when fla defines its kernels.
 SET_AT_IMPORT = [
     ("CUBLAS_WORKSPACE_CONFIG", ":0:0", ":4096:8", "cublas_workspace_config", "blas", "split-K"),
     ("TRITON_CACHE_AUTOTUNING", "1", "0", "triton_cache_autotuning", "autotune", "same bits"),
@@ -296,7 +296,7 @@ def test_fla_configs_pinned_on_a_gpu_keep_padded_forwards_bitwise_exact(overlay,
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device: fla's Triton kernels need a GPU (measured on an H200: "
-                    "results_h200/embedded14/call15-dp-cuts)")
+                    "results_h200/embedded_gpu/call15-dp-cuts)")
     pytest.importorskip("fla", reason="flash-linear-attention is the GPU extra (requirements-gpu-embedded.txt)")
     code = """
 import json, sys

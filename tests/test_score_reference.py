@@ -285,12 +285,12 @@ def test_padded_attention_mode_is_checked(monkeypatch):
 def test_padded_reference_on_a_gpu_is_bitwise_the_exact_one(overlay, sample_tokens, tmp_path):
     """On a GPU (cuBLAS without split-K, attention row by row) padded forwards repeat each row's
     unpadded forward bit for bit: --batch-size 8 with --verify-rows passes and equals --batch-size 1
-    (measured on the H200: results_h200/embedded14/call9-rowwise). Separate processes, so this test
+    (measured on the H200: results_h200/embedded_gpu/call9-rowwise). Separate processes, so this test
     process keeps its CPU kernel binding."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device: padded == exact is a GPU property (cuBLAS without split-K); "
-                    "measured on an H200: results_h200/embedded14/call9-rowwise")
+                    "measured on an H200: results_h200/embedded_gpu/call9-rowwise")
     common = ["--model", overlay, "--tokens", sample_tokens, "--device", "cuda", "--dtype", "float16", "--no-peak"]
     run_script("score_reference.py", *common, "--out", tmp_path / "exact", check=True)
     run_script("score_reference.py", *common, "--out", tmp_path / "b8", "--batch-size", "8", "--verify-rows", "8",
@@ -307,7 +307,7 @@ def test_exact_threads_on_a_gpu_are_bitwise_one_thread(overlay, sample_tokens):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device: the threaded exact path (a CUDA stream per thread) needs one "
-                    "(measured on an H200: results_h200/embedded14/)")
+                    "(measured on an H200: results_h200/embedded_gpu/)")
     from _classifier import load_classifier, score_exact
 
     _, rows = token_rows(sample_tokens)

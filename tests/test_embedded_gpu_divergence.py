@@ -1,5 +1,5 @@
-"""benchmarks/gpu_divergence14.py on the CPU: every part runs on the tiny model and reports what it
-measured (on the H200 the same script wrote results_h200/embedded14/call7-divergence .. call9-rowwise)."""
+"""benchmarks/experiments/embedded_gpu_divergence.py on the CPU: every part runs on the tiny model and reports
+what it measured (on the H200 the same script wrote results_h200/embedded_gpu/call7-divergence .. call9-rowwise)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import sys
 
 from conftest import REPO
 
+SCRIPT = REPO / "benchmarks" / "experiments" / "embedded_gpu_divergence.py"
+
 
 def divergence(overlay, sample_tokens, out, *extra):
-    return subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_divergence14.py"), "--model", str(overlay),
+    return subprocess.run([sys.executable, str(SCRIPT), "--model", str(overlay),
                            "--tokens", str(sample_tokens), "--out", str(out), "--device", "cpu", "--rows", "4", *extra],
                           capture_output=True, text=True, timeout=600)
 
@@ -22,7 +24,8 @@ def test_every_part_reports_on_a_cpu(overlay, sample_tokens, tmp_path):
     assert proc.returncode == 0, proc.stderr
     res = json.loads((out / "divergence.json").read_text())
     parts = res["parts"]
-    assert res["kind"] == "openjev-divergence14" and "not a V100" in res["machine"]
+    assert res["kind"] == "openjev-embedded-gpu-divergence" and "not a V100" in res["machine"]
+    assert res["made_by"] == "benchmarks/experiments/embedded_gpu_divergence.py"
     assert not any("error" in p for p in parts.values()), parts
     assert parts["candidates"]["exact"]["bitwise_equal"] and parts["candidates"]["padded4"]["argmax_changes"] == 0
     chain = parts["chain"]["modules"]

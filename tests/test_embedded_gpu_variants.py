@@ -1,5 +1,5 @@
-"""benchmarks/gpu_variants14.py on the CPU: the variants run and are judged against the
-baseline exact loop (on a GPU the same script wrote results_h200/embedded14/call5-variants/)."""
+"""benchmarks/experiments/embedded_gpu_variants.py on the CPU: the variants run and are judged against the
+baseline exact loop (on a GPU the same script wrote results_h200/embedded_gpu/call5-variants/)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,12 @@ import sys
 
 from conftest import REPO
 
+SCRIPT = REPO / "benchmarks" / "experiments" / "embedded_gpu_variants.py"
+KIND = "openjev-embedded-gpu-variants"
+
 
 def variants(overlay, sample_tokens, out, names, *extra):
-    return subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_variants14.py"), "--model", str(overlay),
+    return subprocess.run([sys.executable, str(SCRIPT), "--model", str(overlay),
                            "--tokens", str(sample_tokens), "--out", str(out), "--device", "cpu", "--rows", "4",
                            "--repeats", "1", "--variants", names, *extra], capture_output=True, text=True, timeout=600)
 
@@ -29,10 +32,11 @@ def test_variants_agree_with_the_baseline(overlay, sample_tokens, tmp_path):
     # the cache object changes nothing in a padded forward either
     assert v["padded"]["rows4"]["max_abs_logit_diff"] == v["padded_nocache"]["rows4"]["max_abs_logit_diff"]
     assert res["kernel_path"]["gdn"] == "torch-fallback" and res["tokens"] > 0
-    assert res["kind"] == "openjev-variants14" and "not a V100" in res["machine"] and res["environment"]["torch_version"]
+    assert res["kind"] == KIND and "not a V100" in res["machine"] and res["environment"]["torch_version"]
+    assert res["made_by"] == "benchmarks/experiments/embedded_gpu_variants.py"
     check = subprocess.run([sys.executable, str(REPO / "app" / "validate_receipts.py"), str(out / "variants.json")],
                            capture_output=True, text=True, timeout=120)
-    assert check.returncode == 0 and "ok (openjev-variants14)" in check.stdout, check.stdout + check.stderr
+    assert check.returncode == 0 and f"ok ({KIND})" in check.stdout, check.stdout + check.stderr
 
 
 def test_server_cuts_and_a_profile(overlay, sample_tokens, tmp_path):
@@ -64,3 +68,17 @@ def test_unknown_variants_and_a_used_output_are_refused_before_loading(overlay, 
     proc = variants(overlay, sample_tokens, tmp_path / "used", "exact")
     assert proc.returncode == 2 and "not empty" in proc.stderr
     assert (tmp_path / "used" / "variants.json").read_text() == "{}"
+
+
+def test_receipts_recorded_under_the_old_kind_still_validate():
+    """Receipts written before the script's rename keep the kind they were written with; the schema
+    accepts it beside the new one."""
+    schema = json.loads((REPO / "results_v100" / "schemas" / "embedded_gpu_variants.schema.json").read_text())
+    kinds = schema["properties"]["kind"]["enum"]
+    recorded = [REPO / "benchmarks" / "results_cpu" / "embedded_cpu" / "variants_tiny_cpu.json",
+                REPO / "results_h200" / "embedded_gpu" / "call17-one-pass-variance" / "variants" / "variants.json"]
+    old = {json.loads(p.read_text())["kind"] for p in recorded}
+    assert kinds[0] == KIND and len(old) == 1 and old < set(kinds) and KIND not in old
+    check = subprocess.run([sys.executable, str(REPO / "app" / "validate_receipts.py"), *map(str, recorded)],
+                           capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0 and check.stdout.count(f"ok ({old.pop()})") == 2, check.stdout + check.stderr

@@ -20,9 +20,10 @@ of the embedded backend sit at 0.0020-0.0024. This script measures, in one proce
   truth       the same rows through the unmodified forward in --truth-dtype (float32 on a GPU,
               TF32 off; float64 on a CPU) and every candidate's distance from it
 
-Writes OUT/divergence.json (kind openjev-divergence14) after every part, OUT/*.npy logits and
+Writes OUT/divergence.json (kind openjev-embedded-gpu-divergence) after every part, OUT/*.npy logits and
 OUT/cprofile.txt. Example (GPU machine):
-  python3 benchmarks/gpu_divergence14.py --model W/model-qwen3.5-4b --tokens W/set.tokens.jsonl --out OUT
+  python3 benchmarks/experiments/embedded_gpu_divergence.py --model W/model-qwen3.5-4b \\
+    --tokens W/set.tokens.jsonl --out OUT
 """
 
 from __future__ import annotations
@@ -39,15 +40,16 @@ import traceback
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "app"))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: gpu_profile
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent / "app"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/experiments/: embedded_gpu_variants
 
 import numpy as np  # noqa: E402
 
 from _common import environment_receipt, read_tokens, truncate_rows, utc_now  # noqa: E402
 from gpu_profile import base_parser, budget_groups, sync  # noqa: E402
-from gpu_variants14 import agreement, padded_loop  # noqa: E402
+from embedded_gpu_variants import agreement, padded_loop  # noqa: E402
 
 PARTS = ("candidates", "chain", "isolated", "overhead", "truth")
 # sub-modules compared in the chain, by the last component of their name
@@ -258,7 +260,8 @@ def main() -> int:
     from _kernels import kernel_path, warm_up
 
     gpu = args.device.startswith("cuda")
-    res: dict = {"kind": "openjev-divergence14", "made_by": "benchmarks/gpu_divergence14.py", "made_at": utc_now(),
+    res: dict = {"kind": "openjev-embedded-gpu-divergence",
+                 "made_by": "benchmarks/experiments/embedded_gpu_divergence.py", "made_at": utc_now(),
                  "device": args.device, "tokens_file": str(args.tokens), "rows_per_forward": args.rows,
                  "budget": args.budget, "parts": {}}
     res["machine"] = args.machine_label or (f"{torch.cuda.get_device_name()} (not a V100)" if gpu
@@ -322,7 +325,7 @@ def main() -> int:
         key = f"padded{args.rows}"
         if "exact" not in cands or key not in cands:
             return groups[len(groups) // 2]
-        from gpu_variants14 import probs
+        from embedded_gpu_variants import probs
 
         dpe = np.abs(probs(cands[key])[:, 1] - probs(cands["exact"])[:, 1])
         worst = int(dpe.argmax())

@@ -3,7 +3,7 @@
 # gateway over two replicas on one GPU (stage "replicas"). Receipts land in results_h200/; an NVIDIA H200
 # is an SM90 development machine, not a V100.
 #
-#   bash benchmarks/h200_session14.sh OUTDIR        # on the GPU machine, from the repository root
+#   bash benchmarks/experiments/embedded_h200_session.sh OUTDIR   # on the GPU machine, from the repository root
 #
 # STAGES (default "prep profile profile_torch reference http") picks what runs, in order:
 #   prep           random-weight classifier of Qwen3.5-4B's text shape (FP16) and the 128-row
@@ -29,11 +29,11 @@
 #                  REPLICA_BATCHING (exact: answers bitwise the reference; padded) and MAX_PROB_DIFF
 #                  (0 = bitwise) set how replicas batch and what counts as a mismatch
 #   http_compiled  the same with OPENJEV_COMPILE=1 (norm and MLP modules through torch.compile)
-#   variants       benchmarks/gpu_variants14.py: exact-loop and padded-forward variants in one process,
-#                  each compared with the baseline exact pass (VARIANTS: its --variants list; VARIANT_ARGS:
-#                  more of its flags, e.g. "--grouping dp --profile")
-#   divergence     benchmarks/gpu_divergence14.py: where padded forwards leave the exact FP16 reference
-#                  (module by module), cuBLAS reduced-precision reductions on/off, host syncs and a
+#   variants       benchmarks/experiments/embedded_gpu_variants.py: exact-loop and padded-forward variants in
+#                  one process, each compared with the baseline exact pass (VARIANTS: its --variants list;
+#                  VARIANT_ARGS: more of its flags, e.g. "--grouping dp --profile")
+#   divergence     benchmarks/experiments/embedded_gpu_divergence.py: where padded forwards leave the exact
+#                  FP16 reference (module by module), cuBLAS reduced-precision reductions on/off, host syncs and a
 #                  cProfile of a warm exact forward, and every candidate against an FP32 forward
 #                  (DIVERGENCE_PARTS: its --parts list)
 # Results are packed after every stage into OUTDIR/results.tgz (a time-out keeps what ran).
@@ -43,10 +43,10 @@
 set -uo pipefail
 PROFILE_ARGS=${PROFILE_ARGS:-} SERVER_ARGS=${SERVER_ARGS:---max-running-requests 8} HTTP_LABEL=${HTTP_LABEL:-} REF_WORKERS=${REF_WORKERS:-1}
 OPENJEV_COMPILE=${OPENJEV_COMPILE:-}
-OUTDIR=${1:?usage: h200_session14.sh OUTDIR}
+OUTDIR=${1:?usage: embedded_h200_session.sh OUTDIR}
 PY=${PYTHON:-python3}
 W=${WORK:-/tmp/openjev-h200}
-R="$W/results14"
+R="$W/results-embedded"
 SHAPE=${SHAPE:-qwen3.5-4b}
 DEVICE=${DEVICE:-cuda}
 ROWS=${ROWS:-128}
@@ -55,7 +55,7 @@ LABEL=${MACHINE_LABEL:-"NVIDIA H200 (development machine, SM90; not a V100)"}
 DTYPE=$([ "$DEVICE" = cpu ] && echo float32 || echo float16)
 SET="$W/set-$ROWS-200-1500"
 MODEL="$W/model-$SHAPE"
-REF="$W/ref14-$SHAPE-$DEVICE"
+REF="$W/ref-embedded-$SHAPE-$DEVICE"
 mkdir -p "$R" "$OUTDIR"
 pack() { tar -czf "$OUTDIR/results.tgz" -C "$R" . ; }
 log() { echo "== $(date -u +%H:%M:%S) $*"; }
@@ -142,13 +142,13 @@ stage_http() {
 }
 
 stage_variants() {
-  "$PY" benchmarks/gpu_variants14.py --model "$MODEL" --tokens "$SET.tokens.jsonl" --out "$R/variants" \
-    --device "$DEVICE" ${VARIANTS:+--variants "$VARIANTS"} ${VARIANT_ARGS:-}
+  "$PY" benchmarks/experiments/embedded_gpu_variants.py --model "$MODEL" --tokens "$SET.tokens.jsonl" \
+    --out "$R/variants" --device "$DEVICE" ${VARIANTS:+--variants "$VARIANTS"} ${VARIANT_ARGS:-}
 }
 
 stage_divergence() {
-  "$PY" benchmarks/gpu_divergence14.py --model "$MODEL" --tokens "$SET.tokens.jsonl" --out "$R/divergence" \
-    --device "$DEVICE" --machine-label "$LABEL" ${DIVERGENCE_PARTS:+--parts "$DIVERGENCE_PARTS"}
+  "$PY" benchmarks/experiments/embedded_gpu_divergence.py --model "$MODEL" --tokens "$SET.tokens.jsonl" \
+    --out "$R/divergence" --device "$DEVICE" --machine-label "$LABEL" ${DIVERGENCE_PARTS:+--parts "$DIVERGENCE_PARTS"}
 }
 
 stage_http_compiled() {  # the same server with OPENJEV_COMPILE=1 (norm/MLP modules compiled)
@@ -160,7 +160,7 @@ stage_http16() {  # 16 rows per forward instead of SERVER_ARGS'
 }
 
 stage_replicas() {  # two replicas sharing GPU 0 behind the gateway
-  local set="$W/set-128-64-256" ref="$W/ref15-$SHAPE-$DEVICE"
+  local set="$W/set-128-64-256" ref="$W/ref-short-$SHAPE-$DEVICE"
   local out="$R/two_gpu/replicas_shared_gpu0_${REPLICA_BATCHING:-exact}.json"
   [ -e "$set.jsonl" ] || "$PY" app/make_synthetic_inputs.py "$set" --rows 128 --premise-tokens 64:256 --vocab 512 --seed 15 || return 1
   [ -d "$ref" ] || "$PY" app/score_reference.py --model "$MODEL" --tokens "$set.tokens.jsonl" --inputs "$set.jsonl" \

@@ -22,8 +22,9 @@ as the embedded server's scheduler forms them; fraction of the fp16 matmul peak)
                    emulate_precision_casts (eager's fp16 rounding kept inside fused kernels)
   compiled_layers  whole decoder layers compiled likewise, fla's chunk rule left out of the graph
 
-Writes OUT/variants.json after every variant. Example (GPU machine):
-  python3 benchmarks/gpu_variants14.py --model W/model-qwen3.5-4b --tokens W/set.tokens.jsonl --out OUT
+Writes OUT/variants.json (kind openjev-embedded-gpu-variants) after every variant. Example (GPU machine):
+  python3 benchmarks/experiments/embedded_gpu_variants.py --model W/model-qwen3.5-4b \\
+    --tokens W/set.tokens.jsonl --out OUT
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "app"))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: gpu_profile
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent / "app"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 import numpy as np  # noqa: E402
 
@@ -189,7 +191,8 @@ def main() -> int:
     from _kernels import compile_pointwise, kernel_path, measure_matmul_peak, model_flops, path_label, warm_up
     from serve_transformers import length_groups
 
-    res: dict = {"kind": "openjev-variants14", "made_by": "benchmarks/gpu_variants14.py", "made_at": utc_now(),
+    res: dict = {"kind": "openjev-embedded-gpu-variants", "made_by": "benchmarks/experiments/embedded_gpu_variants.py",
+                 "made_at": utc_now(),
                  "device": args.device, "grouping": args.grouping, "tokens_file": str(args.tokens), "variants": {}}
     if args.device.startswith("cuda"):
         res["machine"] = args.machine_label or f"{torch.cuda.get_device_name()} (not a V100)"
