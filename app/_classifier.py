@@ -37,7 +37,6 @@ from sglang_openjev import weights
 from sglang_openjev.contract import check_label_order
 
 DTYPES = ("auto", "float16", "bfloat16", "float32")
-PADDED_ATTENTION_ENV = "OPENJEV_PADDED_ATTENTION"  # rowwise (default) | masked (Transformers' masked SDPA)
 
 # Real lengths of the rows of the right-padded forward running in this thread (None: not padded).
 _ROW_LENGTHS: contextvars.ContextVar = contextvars.ContextVar("openjev_row_lengths", default=None)
@@ -200,13 +199,6 @@ def _exact_in_threads(clf: Classifier, rows: list[list[int]], threads: int, prog
     return kept
 
 
-def padded_attention_mode() -> str:
-    mode = os.environ.get(PADDED_ATTENTION_ENV, "rowwise") or "rowwise"
-    if mode not in ("rowwise", "masked"):
-        raise UserError(f"{PADDED_ATTENTION_ENV}={mode!r}: expected rowwise or masked")
-    return mode
-
-
 def rowwise_attention() -> str:
     """Make padded forwards attend row by row (once per process; returns the mode in force).
 
@@ -219,6 +211,8 @@ def rowwise_attention() -> str:
     an exact forward was the first full-attention layer (benchmarks/experiments/embedded_gpu_divergence.py,
     results_h200/embedded_gpu/call8-blas). Padding positions get zeros; with right padding no real
     token reads them. OPENJEV_PADDED_ATTENTION=masked keeps Transformers' masked call."""
+    from _kernels import padded_attention_mode
+
     mode = padded_attention_mode()
     if mode != "rowwise":
         return mode

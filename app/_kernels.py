@@ -36,6 +36,7 @@ from pathlib import Path
 from _common import UserError
 
 log = logging.getLogger("openjev.kernels")
+PADDED_ATTENTION_ENV = "OPENJEV_PADDED_ATTENTION"  # rowwise (default) | masked (Transformers' masked SDPA)
 
 KERNELS_ENV = "OPENJEV_KERNELS"
 KERNEL_MODES = ("auto", "torch")
@@ -445,6 +446,13 @@ def _describe(func) -> str | None:
     return f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', getattr(func, '__name__', '?'))}"
 
 
+def padded_attention_mode() -> str:
+    mode = os.environ.get(PADDED_ATTENTION_ENV, "rowwise") or "rowwise"
+    if mode not in ("rowwise", "masked"):
+        raise UserError(f"{PADDED_ATTENTION_ENV}={mode!r}: expected rowwise or masked")
+    return mode
+
+
 def kernel_path(model) -> dict:
     """What the loaded model's forward runs: GDN chunk kernel, causal conv, attention, versions."""
     import torch
@@ -467,8 +475,6 @@ def kernel_path(model) -> dict:
     info["triton_cache_autotuning"] = os.environ.get(AUTOTUNE_CACHE_ENV)
     info["triton_cache_dir"] = os.environ.get("TRITON_CACHE_DIR") or "~/.triton/cache (Triton's default)"
     info["fla_configs"] = pins_record()
-    from _classifier import padded_attention_mode
-
     info["padded_attention"] = padded_attention_mode()
     info["sdp_backends"] = sdp_backends()
     from _fused import fused_record
@@ -557,29 +563,6 @@ def compute_bound(peak_tflops: float, peak_dtype: str, flops: float, seconds: fl
 
 
 # ---------------------------------------------------------------- warm-up
-def warm_up(clf, rows: list[list[int]], forwards: int = 2, padded: bool = False, batch: int = 8) -> dict:
-    """Untimed forwards before any timed or served work: Triton compiles and autotunes the GDN
-    kernels, cuBLAS/cuDNN pick their algorithms. Lengths are spread over the rows given (a length
-    that is not a multiple of 16 is included: Triton specialises integer arguments on it).
-    Results are discarded; the arithmetic of later forwards does not depend on them."""
-    if forwards <= 0 or not rows:
-        return {"forwards": 0, "seconds": 0.0, "lengths": []}
-    from _classifier import score_exact, score_padded
-
-    by_len = sorted(rows, key=len)
-    shapes = warm_fla_shapes(clf, batch if padded else 1, max(len(r) for r in rows) * (batch if padded else 1))
-    picks = [by_len[round(i * (len(by_len) - 1) / max(1, forwards - 1))] for i in range(forwards)]
-    t0 = time.perf_counter()
-    for row in picks:
-        score_exact(clf, [row])
-    if padded:
-        score_padded(clf, by_len[:batch])
-    seconds = round(time.perf_counter() - t0, 3)
-    log.info("warm-up: %d forwards in %.1f s", len(picks) + int(padded), seconds)
-    return {"forwards": len(picks) + int(padded), "seconds": seconds, "lengths": [len(r) for r in picks],
-            "fla_shapes": shapes}
-
-
 def warm_fla_shapes(clf, max_rows: int, max_tokens: int) -> dict:
     """Run fla's kernels for every autotune key a forward of at most `max_rows` rows and
     `max_tokens` padded tokens can produce, so no request pays the autotuning (or, with pinned
@@ -623,15 +606,6 @@ def _warm_fla_shapes(clf, max_rows: int, max_tokens: int) -> dict:
     return {"l2norm_nb": [1, nbs[-1]], "batch_sizes": [1, max_rows], "max_tokens": max_tokens, "seconds": seconds}
 
 
-def synthetic_rows(vocab_size: int, lengths=(80, 700), count: int = 8) -> list[list[int]]:
-    """Deterministic in-vocabulary rows for warming a server before its first request."""
-    out = []
-    for j in range(count):
-        n = lengths[j % len(lengths)] - j
-        out.append([(1 + 7919 * (i + 31 * j)) % vocab_size for i in range(max(1, n))])
-    return out
-
-
 def compile_pointwise(model) -> int:
     """torch.compile (dynamic shapes) the norm and MLP modules, fusing their casts and pointwise
     work; matmuls stay cuBLAS. For serving only, never for the reference scorer. Returns how many
@@ -647,28 +621,3 @@ def compile_pointwise(model) -> int:
             n += 1
     log.info("compiled %d norm/MLP modules (torch.compile, dynamic shapes)", n)
     return n
-
-
-WARM_TOKENS_ENV = "OPENJEV_WARM_TOKENS"
-
-
-def prepare_serving(clf, batching: str, max_rows: int = 16, max_tokens: int | None = None) -> dict:
-    """What the embedded server does after loading: on a GPU, the fused kernels of app/_fused.py
-    where they are bitwise Transformers' modules (OPENJEV_FUSED=off keeps none) or, instead,
-    torch.compile of the norm/MLP modules (OPENJEV_COMPILE=1); fla autotune warm-up for forwards
-    of up to `max_rows` rows and `max_tokens` padded tokens (default $OPENJEV_WARM_TOKENS or
-    16384), then warm-up forwards; the kernel path is read again afterwards."""
-    compiled = 0
-    if os.environ.get("OPENJEV_COMPILE") == "1" and clf.device != "cpu":
-        compiled = compile_pointwise(clf.model)
-    else:
-        from _fused import apply_fused
-
-        apply_fused(clf.model, clf.device)
-    tokens = max_tokens or int(os.environ.get(WARM_TOKENS_ENV) or 16384)
-    shapes = warm_fla_shapes(clf, max_rows if batching != "exact" else 1, tokens if batching != "exact" else 4096)
-    warm = warm_up(clf, synthetic_rows(clf.vocab_size), padded=batching != "exact")
-    warm["compiled_modules"] = compiled
-    warm["fla_shapes"] = shapes
-    clf.kernels = kernel_path(clf.model)
-    return warm

@@ -138,7 +138,7 @@ def verify_padded(clf, rows, logits, n: int) -> dict | None:
 
 
 def score_here(args, rows, row_ids, units):
-    from _kernels import warm_up
+    from _warmup import warm_up
 
     clf = load_checked(args, rows, row_ids)
     warm = warm_up(clf, rows, args.warmup, padded=args.batch_size > 1)
@@ -156,7 +156,7 @@ def score_here(args, rows, row_ids, units):
 def _worker(args, rows, row_ids, units, ready, go, results) -> None:
     """One scoring process: load, warm up, report ready, wait for the common start, score."""
     try:
-        from _kernels import warm_up
+        from _warmup import warm_up
 
         clf = load_checked(args, rows, row_ids)
         warm = warm_up(clf, rows, args.warmup, padded=args.batch_size > 1)

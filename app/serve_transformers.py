@@ -236,7 +236,7 @@ class Engine:
             self.clf = load_classifier(self.args.checkpoint, self.args.device, self.args.dtype)
             self.batching = self.args.batching if self.args.batching != "auto" else (
                 "exact" if self.clf.device == "cpu" else "padded")
-            from _kernels import prepare_serving  # compile GDN kernels before the first request
+            from _warmup import prepare_serving  # compile GDN kernels before the first request
 
             self.warmup = prepare_serving(self.clf, self.batching, self.args.max_running_requests)
         except Exception as exc:  # noqa: BLE001 - any load failure ends the process with one line

@@ -270,7 +270,7 @@ def test_rowwise_attention_repeats_each_rows_unpadded_call(overlay, sample_token
 
 
 def test_padded_attention_mode_is_checked(monkeypatch):
-    from _classifier import padded_attention_mode
+    from _kernels import padded_attention_mode
 
     from _common import UserError
 

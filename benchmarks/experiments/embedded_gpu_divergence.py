@@ -257,7 +257,8 @@ def main() -> int:
     import torch
 
     from _classifier import load_classifier, score_exact
-    from _kernels import kernel_path, warm_up
+    from _kernels import kernel_path
+    from _warmup import warm_up
 
     gpu = args.device.startswith("cuda")
     res: dict = {"kind": "openjev-embedded-gpu-divergence",

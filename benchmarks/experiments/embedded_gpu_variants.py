@@ -188,7 +188,8 @@ def main() -> int:
 
     from _classifier import load_classifier, score_exact
     from _fused import apply_fused, remove_fused
-    from _kernels import compile_pointwise, kernel_path, measure_matmul_peak, model_flops, path_label, warm_up
+    from _kernels import compile_pointwise, kernel_path, measure_matmul_peak, model_flops, path_label
+    from _warmup import warm_up
     from serve_transformers import length_groups
 
     res: dict = {"kind": "openjev-embedded-gpu-variants", "made_by": "benchmarks/experiments/embedded_gpu_variants.py",
