@@ -1,11 +1,12 @@
 # openjev-serving: two commands on a fresh machine.
 #   make demo   create .venv (pinned CPU environment) and run the main job on the embedded default
-#   make test   create .venv if needed and run the test suite
+#   make test   create .venv if needed and run the test suite (what CI runs)
+#   make test-fast  the tests that start no server and no real-SGLang venv, on every core (minutes)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: demo test venv clean-demo
+.PHONY: demo test test-fast venv clean-demo
 
 demo: venv
 	bash app/run_demo.sh
@@ -31,6 +32,11 @@ SGLANG_EXTRA_TESTS_0.5.23 := tests/test_sglang_cpu_engine.py
 test: venv provision sglang-venvs
 	$(PY) -m pytest -rs tests
 	$(MAKE) --no-print-directory test-sglang
+
+# The fast tier: every test not marked slow (tests/conftest.py marks what starts servers or runs
+# script pipelines), spread over the cores by pytest-xdist.
+test-fast: venv
+	$(PY) -m pytest -q -rs -m "not slow" -n auto tests
 
 provision:
 	sh .ci/provision.sh

@@ -36,6 +36,25 @@ for p in (str(APP), str(REPO)):  # unit tests import app modules and sglang_open
         sys.path.insert(0, p)
 
 
+# Test tiers. `make test-fast` runs every test not marked slow here: no model built, no server
+# started, no pipeline of scripts. Slow: a test of a module below, or one asking for a fixture that
+# builds the tiny model or starts a server. `make test` (CI) runs both tiers.
+SLOW_MODULES = {
+    "test_bench_scheduled", "test_deployment", "test_deployment_multihost", "test_embedded_gpu_divergence",
+    "test_embedded_gpu_variants", "test_fused", "test_kernels", "test_make_tiny_model", "test_run_demo",
+    "test_score_reference", "test_serve_transformers", "test_serving_front", "test_sglang_cpu_engine",
+    "test_sglang_divergence", "test_sglang_routes_front", "test_tune_sglang",
+}
+SLOW_FIXTURES = {"tiny_model", "overlay", "sample_tokens", "reference", "server"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        if module in SLOW_MODULES or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 def run_py(code: str, env_extra: dict | None = None, timeout: float = 300, args=()) -> subprocess.CompletedProcess:
     """`python -c CODE ARGS...` with app/ and the repository on PYTHONPATH (env_extra may set its own)
     (a fresh process: its own kernel binding)."""
