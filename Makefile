@@ -26,11 +26,13 @@ SGLANG_EXTRA_TESTS_0.5.23 := tests/test_sglang_cpu_engine.py
 .PHONY: provision sglang-venvs test-sglang
 
 # -rs prints the reason of every skipped test; pytest's exit 5 (no tests collected) fails make.
-# `make test` = provision (apt packages when root with apt), the suite in .venv, then the SGLang
+# `make test` = provision (apt packages when root with apt), the suite in .venv (on every core with
+# pytest-xdist, then the serial tests alone), then the SGLang
 # adapter/launcher tests in each real-SGLang venv (OPENJEV_REQUIRE_SGLANG=1 turns their
 # "sglang not importable" skips into failures there).
 test: venv provision sglang-venvs
-	$(PY) -m pytest -rs tests
+	$(PY) -m pytest -rs -n auto -m "not serial" tests
+	$(PY) -m pytest -rs -m serial tests
 	$(MAKE) --no-print-directory test-sglang
 
 # The fast tier: every test not marked slow (tests/conftest.py marks what starts servers or runs

@@ -46,6 +46,9 @@ SLOW_MODULES = {
     "test_sglang_divergence", "test_sglang_routes_front", "test_tune_sglang",
 }
 SLOW_FIXTURES = {"tiny_model", "overlay", "sample_tokens", "reference", "server"}
+# Run alone, after the parallel part of `make test`: HAProxy under systemd-socket-activate with timed
+# start-up (beside another worker's load the gateway tests reset connections).
+SERIAL_MODULES = {"test_deployment", "test_deployment_multihost"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -53,6 +56,8 @@ def pytest_collection_modifyitems(config, items):
         module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
         if module in SLOW_MODULES or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+        if module in SERIAL_MODULES:
+            item.add_marker(pytest.mark.serial)
 
 
 def run_py(code: str, env_extra: dict | None = None, timeout: float = 300, args=()) -> subprocess.CompletedProcess:
