@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -26,6 +26,7 @@ HF_SOURCE_PATH = REPO_ROOT / "HF_SOURCE.json"
 DEFAULT_ROOT = "~/storage/sglang-openjev-v100"
 PRODUCTION_PORT = 31000
 LABELS = ("contradiction", "entailment", "neutral")
+ENTAILMENT = LABELS.index("entailment")
 
 
 class UserError(Exception):
@@ -68,6 +69,20 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def softmax(logits):
+    """Row-wise softmax in float64 (max-subtracted), a numpy array."""
+    import numpy as np
+
+    x = np.asarray(logits, dtype=np.float64)
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def entailment_prob(logits):
+    """p_e of each row of [..., 3] logits in LABELS order."""
+    return softmax(logits)[..., ENTAILMENT]
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

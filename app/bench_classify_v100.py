@@ -89,12 +89,11 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from _common import (LABELS, UserError, atomic_write_bytes, atomic_write_json, environment_receipt, ids_sha256,
-                     read_inputs, read_tokens, run_main, sha256_bytes, sha256_file, truncate_rows, utc_now)
+from _common import (LABELS, UserError, atomic_write_bytes, atomic_write_json, entailment_prob, environment_receipt,
+                     ids_sha256, read_inputs, read_tokens, run_main, sha256_bytes, sha256_file, truncate_rows, utc_now)
 
 KIND = "openjev-bench"
 SCHEMA_VERSION = 1
-ENTAILMENT = LABELS.index("entailment")
 
 EXIT_OK, EXIT_USAGE, EXIT_AUDIT, EXIT_EXCLUSIVE, EXIT_INCOMPLETE = 0, 1, 2, 3, 4
 MAX_VIOLATING_SAMPLES_KEPT = 10
@@ -146,17 +145,6 @@ def percentile_summary(values: Sequence[float]) -> dict:
     p50, p90, p99 = np.percentile(a, [50, 90, 99])
     return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "max": float(a.max()),
             "mean": float(a.mean()), "count": int(a.size)}
-
-
-def softmax(logits: np.ndarray) -> np.ndarray:
-    """Row-wise softmax in float64 (max-subtracted)."""
-    x = np.asarray(logits, dtype=np.float64)
-    e = np.exp(x - x.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
-
-
-def entailment_prob(logits: np.ndarray) -> np.ndarray:
-    return softmax(logits)[..., ENTAILMENT]
 
 
 def median_or_none(values: Sequence[float]) -> float | None:

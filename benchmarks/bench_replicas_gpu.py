@@ -56,7 +56,7 @@ sys.path.insert(0, str(REPO / "deploy"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import unit_runner  # noqa: E402
-from _common import UserError, atomic_write_json, git_revision, run_main, utc_now  # noqa: E402
+from _common import UserError, atomic_write_json, git_revision, run_main, softmax, utc_now  # noqa: E402
 from bench_gateway import Client, admin, free_pair, free_port, machine, run, summary_ms  # noqa: E402
 
 KIND = "openjev-replicas-gpu-bench"
@@ -94,11 +94,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------- pure helpers
-def softmax(x: np.ndarray) -> np.ndarray:
-    z = np.exp(x - x.max(axis=-1, keepdims=True))
-    return z / z.sum(axis=-1, keepdims=True)
-
-
 def compare(got: np.ndarray, ref: np.ndarray, max_prob_diff: float) -> tuple[bool, float, bool]:
     """(matches, largest softmax difference, bitwise equal) of answered logits against the reference rows."""
     if got.shape != ref.shape:

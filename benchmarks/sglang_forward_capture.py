@@ -44,24 +44,30 @@ def specs(out_dir: str, lengths: list[int], layers: int) -> str:
                        for kind, pats in TARGETS.items()])
 
 
-def _first_tensor(output):
-    import torch
-
-    if isinstance(output, torch.Tensor):
+def _first_tensor(output, tensor_type):
+    if isinstance(output, tensor_type):
         return output
     if isinstance(output, (tuple, list)):
         for item in output:
-            if isinstance(item, torch.Tensor):
+            if isinstance(item, tensor_type):
                 return item
     return None
 
 
 def capture_hook(config: dict):
+    import torch
+
     kind, out_dir = config["kind"], Path(config["dir"])
     lengths, layers = set(int(t) for t in config["lengths"]), int(config["layers"])
 
+    def save(obj, name: str) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tmp = out_dir / f".{name}.{os.getpid()}"
+        torch.save(obj, tmp)
+        os.replace(tmp, out_dir / name)
+
     def hook(module, inputs, output):
-        t = _first_tensor(output)
+        t = _first_tensor(output, torch.Tensor)
         if t is None:
             return None
         if kind == "embed":
@@ -73,18 +79,11 @@ def capture_hook(config: dict):
         i = _state["counts"].get(kind, 0)
         _state["counts"][kind] = i + 1
         if kind == "final_norm":
-            import torch
-
-            torch.save(t.detach().cpu(), out_dir / f"len{n}.final_norm.pt")
+            save(t.detach().cpu(), f"len{n}.final_norm.pt")
             return None
         _state["tensors"][f"{kind}.{i}"] = t.detach().cpu().clone()
         if kind == "mlp_out" and i + 1 == layers:
-            import torch
-
-            out_dir.mkdir(parents=True, exist_ok=True)
-            tmp = out_dir / f".len{n}.pt.{os.getpid()}"
-            torch.save(_state["tensors"], tmp)
-            os.replace(tmp, out_dir / f"len{n}.pt")
+            save(_state["tensors"], f"len{n}.pt")
             _state["tensors"] = {}
         return None
 

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "app"))
 
 import numpy as np  # noqa: E402
 
-from _common import environment_receipt, read_tokens, utc_now  # noqa: E402
+from _common import atomic_write_json, entailment_prob, environment_receipt, read_tokens, utc_now  # noqa: E402
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -51,16 +51,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
-def p_e(logits) -> np.ndarray:
-    x = np.asarray(logits, dtype=np.float64)
-    x = np.exp(x - x.max(-1, keepdims=True))
-    return (x / x.sum(-1, keepdims=True))[..., 1]
-
-
 def compare(a, b) -> dict:
     """a against b (b the base): relative RMS and max abs difference, float32."""
     a, b = a.float().reshape(-1), b.float().reshape(-1)
-    d = (a - b)
+    d = a - b
     return {"rel_rms": float(d.norm() / b.norm().clamp_min(1e-30)), "max_abs": float(d.abs().max())}
 
 
@@ -76,30 +70,31 @@ def text_parts(model):
     raise SystemExit("no decoder layers found in the model")
 
 
-def sglang_stream(caps: dict, types: list[str]):
-    """SGLang's residual stream: r[L] enters layer L, mid[L] enters its MLP; mixer and MLP outputs."""
-    import torch
-
-    r = [caps["embed.0"]]
-    mid, mix, mlp = [], [], []
-    seen = {"gdn": 0, "attn": 0}
-    for i, t in enumerate(types):
-        m = caps[f"{'gdn_out' if t == 'gdn' else 'attn_out'}.{seen[t]}"]
+def index_in_type(types: list[str]) -> list[int]:
+    """For each layer, how many layers of its type come before it (the capture hooks count per kind)."""
+    seen = {t: 0 for t in types}
+    out = []
+    for t in types:
+        out.append(seen[t])
         seen[t] += 1
-        mix.append(m)
-        mid.append((r[-1] + m).to(r[-1].dtype))
-        mlp.append(caps[f"mlp_out.{i}"])
-        r.append((mid[-1] + mlp[-1]).to(r[-1].dtype))
-    return r, mid, mix, mlp
-
-
-def gdn_index(types: list[str]) -> dict[int, int]:
-    out, k = {}, 0
-    for i, t in enumerate(types):
-        if t == "gdn":
-            out[i] = k
-            k += 1
     return out
+
+
+def gdn_captures(caps: dict, types: list[str], kind: str) -> dict[int, object]:
+    """{layer: capture} of a GDN-only kind (gdn_core, gdn_norm), for the GDN layers that have one."""
+    return {i: caps[f"{kind}.{k}"] for i, (t, k) in enumerate(zip(types, index_in_type(types)))
+            if t == "gdn" and f"{kind}.{k}" in caps}
+
+
+def sglang_stream(caps: dict, types: list[str]):
+    """SGLang's residual stream (r[L] enters layer L, r[-1] the final norm), mixer and MLP outputs,
+    rebuilt with SGLang's FP16 adds: the residual plus the mixer, that plus the MLP."""
+    r, mix, mlp = [caps["embed.0"]], [], []
+    for i, (t, k) in enumerate(zip(types, index_in_type(types))):
+        mix.append(caps[f"{'gdn_out' if t == 'gdn' else 'attn_out'}.{k}"])
+        mlp.append(caps[f"mlp_out.{i}"])
+        r.append(((r[-1] + mix[-1]).to(r[-1].dtype) + mlp[-1]).to(r[-1].dtype))
+    return r, mix, mlp
 
 
 def forward_with_hooks(model, ids, hooks):
@@ -135,7 +130,7 @@ def teacher_forced(model, ids, stream, types, device, dtype, feed_core=None, rec
     import torch
 
     layers, final_norm, _ = text_parts(model)
-    r, mid, mix, mlp = stream
+    r, mix, mlp = stream
     got = {"mixer": [None] * len(types), "mlp": [None] * len(types), "core": {}, "core_norm": {}}
     to = lambda t: t.to(device=device, dtype=dtype)[None]  # noqa: E731
     hooks = []
@@ -207,16 +202,16 @@ def summarise(per_layer: list[dict | None]) -> dict:
             "max_abs": float(max(x["max_abs"] for x in per_layer if x))}
 
 
-def analyse_row(clf16, ids, caps, sg_logits, types, device):
+def analyse_row(clf, ids, caps, sg_logits, types, device):
+    """The receipt entry of one row; also (stream, the reference's teacher-forced outputs, SGLang's
+    GDN cores) for the float32 part."""
     stream = sglang_stream(caps, types)
-    dtype = stream[0][0].dtype
-    r, mid, mix, mlp = stream
-    gidx = gdn_index(types)
-    sg_core = {i: caps[f"gdn_core.{k}"] for i, k in gidx.items() if f"gdn_core.{k}" in caps}
-    sg_norm = {i: caps[f"gdn_norm.{k}"] for i, k in gidx.items() if f"gdn_norm.{k}" in caps}
+    r, mix, mlp = stream
+    dtype = r[0].dtype
+    sg_core, sg_norm = gdn_captures(caps, types, "gdn_core"), gdn_captures(caps, types, "gdn_norm")
     row: dict = {"tokens": int(ids.shape[1]), "sglang_logits": [float(x) for x in sg_logits]}
     # A: teacher-forced, whole modules
-    got, tf_logits = teacher_forced(clf16.model, ids, stream, types, device, dtype, record_core=True)
+    got, tf_logits = teacher_forced(clf.model, ids, stream, types, device, dtype, record_core=True)
     row["reconstruct"] = {"logits": tf_logits.tolist(),
                           "max_abs_vs_sglang": float(np.abs(tf_logits - np.asarray(sg_logits)).max())}
     local = {"gdn_mixer": [], "attn_mixer": [], "mlp_after_gdn": [], "mlp_after_attn": []}
@@ -229,7 +224,7 @@ def analyse_row(clf16, ids, caps, sg_logits, types, device):
     # B: teacher-forced with SGLang's GDN core fed to the gated norm
     core_local, post_local, norm_local = [], [], []
     if sg_core:
-        got_b, _ = teacher_forced(clf16.model, ids, stream, types, device, dtype, feed_core=sg_core)
+        got_b, _ = teacher_forced(clf.model, ids, stream, types, device, dtype, feed_core=sg_core)
         for i in sg_core:
             core_local.append(compare(sg_core[i], got["core"][i]))
             deltas[("core", i)] = sg_core[i].float().reshape(-1) - got["core"][i].reshape(-1)
@@ -240,7 +235,7 @@ def analyse_row(clf16, ids, caps, sg_logits, types, device):
     row["local"] = {k: summarise(v) for k, v in local.items()}
     row["local_per_layer"] = {k: [x["rel_rms"] for x in v] for k, v in local.items()}
     # propagation, free running FP16
-    clean = propagate(clf16.model, ids, types, {}, device)
+    clean = propagate(clf.model, ids, types, {}, device)
     runs = {"gdn_mixers": ("mixer", "gdn"), "gdn_cores": ("core", "gdn"), "attn_mixers": ("mixer", "attn"),
             "mlps": ("mlp", None), "all": (None, None)}
     prop = {"clean": {"logits": clean.tolist()}}
@@ -251,12 +246,12 @@ def analyse_row(clf16, ids, caps, sg_logits, types, device):
             sel = {k: v for k, v in deltas.items() if k[0] == kind and (lt is None or types[k[1]] == lt)}
         if not sel:
             continue
-        lg = propagate(clf16.model, ids, types, sel, device)
-        prop[name] = {"logits": lg.tolist(), "dp_e_vs_clean": float(p_e(lg) - p_e(clean)),
+        lg = propagate(clf.model, ids, types, sel, device)
+        prop[name] = {"logits": lg.tolist(), "dp_e_vs_clean": float(entailment_prob(lg) - entailment_prob(clean)),
                       "max_abs_logit_vs_clean": float(np.abs(lg - clean).max())}
-    prop["sglang"] = {"dp_e_vs_clean": float(p_e(np.asarray(sg_logits)) - p_e(clean))}
+    prop["sglang"] = {"dp_e_vs_clean": float(entailment_prob(sg_logits) - entailment_prob(clean))}
     row["propagation"] = prop
-    return row, stream, got
+    return row, (stream, got, sg_core)
 
 
 @contextlib.contextmanager
@@ -300,7 +295,7 @@ def main(args) -> int:
     clf = load_classifier(args.model, dev, args.dtype)
     _, _, types = text_parts(clf.model)
     receipt["layer_types"] = types
-    kept, kept_core = {}, {}
+    kept = {}
     for f in files:
         n = int(f.name[3:-3])
         if n not in by_len:
@@ -309,11 +304,9 @@ def main(args) -> int:
         caps = torch.load(f)
         ids = torch.tensor([row], device=dev)
         print(f"row {rid} ({n} tokens)", flush=True)
-        entry, stream, got = analyse_row(clf, ids, caps, sg[rid], types, dev)
-        receipt["rows"][rid] = entry
-        kept[rid] = (ids, stream, got)
-        kept_core[rid] = {i: caps[f"gdn_core.{k}"] for i, k in gdn_index(types).items() if f"gdn_core.{k}" in caps}
-        (args.out / "divergence.json").write_text(json.dumps(receipt, indent=1))
+        receipt["rows"][rid], parts = analyse_row(clf, ids, caps, sg[rid], types, dev)
+        kept[rid] = (ids, *parts)
+        atomic_write_json(args.out / "divergence.json", receipt)
     del clf
     torch.cuda.empty_cache()
     # truth: the same teacher-forced modules in float32
@@ -321,21 +314,22 @@ def main(args) -> int:
         big = load_classifier(args.model, dev, "float32")
         with pytorch_gdn() as swapped:
             receipt["truth_gdn_functions"] = swapped
-            truth_part(big, kept, kept_core, types, dev, receipt, args.out)
+            truth_part(big, kept, types, dev, receipt, args.out)
     except Exception:  # noqa: BLE001 - the FP16 parts above are kept either way
         receipt["truth_error"] = traceback.format_exc()[-3000:]
     receipt["finished_at"] = utc_now()
     receipt["environment"] = environment_receipt()
-    (args.out / "divergence.json").write_text(json.dumps(receipt, indent=1))
+    atomic_write_json(args.out / "divergence.json", receipt)
     return 0
 
 
-def truth_part(big, kept, kept_core, types, dev, receipt, out) -> None:
+def truth_part(big, kept, types, dev, receipt, out) -> None:
+    """The same rows' teacher-forced modules in float32: SGLang's and the reference's distance from them."""
     import torch
 
-    for rid, (ids, stream, got16) in kept.items():
+    for rid, (ids, stream, got16, sg_core) in kept.items():
         got32, _ = teacher_forced(big.model, ids, stream, types, dev, torch.float32, record_core=True)
-        r, mid, mix, mlp = stream
+        _, mix, mlp = stream
         truth = {}
         for key, sgv, hf, tr in (("mixer", mix, got16["mixer"], got32["mixer"]), ("mlp", mlp, got16["mlp"], got32["mlp"])):
             for t in ("gdn", "attn"):
@@ -343,7 +337,6 @@ def truth_part(big, kept, kept_core, types, dev, receipt, out) -> None:
                 name = f"{t}_mixer" if key == "mixer" else f"mlp_after_{t}"
                 truth[name] = {"sglang_vs_fp32": summarise([compare(sgv[i], tr[i]) for i in idx]),
                                "reference_vs_fp32": summarise([compare(hf[i], tr[i]) for i in idx])}
-        sg_core = kept_core[rid]
         if sg_core:
             idx = sorted(sg_core)
             truth["gdn_core"] = {"sglang_vs_fp32": summarise([compare(sg_core[i], got32["core"][i]) for i in idx]),
@@ -352,9 +345,10 @@ def truth_part(big, kept, kept_core, types, dev, receipt, out) -> None:
         free32 = propagate(big.model, ids, types, {}, dev)
         e = receipt["rows"][rid]
         e["truth_logits_fp32"] = free32.tolist()
-        e["dp_e_vs_fp32"] = {"reference": float(p_e(np.asarray(e["propagation"]["clean"]["logits"])) - p_e(free32)),
-                             "sglang": float(p_e(np.asarray(e["sglang_logits"])) - p_e(free32))}
-        (out / "divergence.json").write_text(json.dumps(receipt, indent=1))
+        pe32 = entailment_prob(free32)
+        e["dp_e_vs_fp32"] = {"reference": float(entailment_prob(e["propagation"]["clean"]["logits"]) - pe32),
+                             "sglang": float(entailment_prob(e["sglang_logits"]) - pe32)}
+        atomic_write_json(out / "divergence.json", receipt)
 
 
 if __name__ == "__main__":

@@ -338,8 +338,9 @@ def with_layout_override(argv: Sequence[str], interval: int, runtime: Optional[R
                           f"layer_types follow {interval}")
     text["full_attention_interval"] = interval
     encoded = json.dumps({**override, "text_config": text}, separators=(",", ":"))
-    return with_flag_value(argv, OVERRIDE_FLAG, encoded), (f"text_config.full_attention_interval={interval} passed in {OVERRIDE_FLAG}: the checkpoint has "
-                  "layer_types only, and SGLang builds the hybrid layout from the interval")
+    note = (f"text_config.full_attention_interval={interval} passed in {OVERRIDE_FLAG}: the checkpoint has "
+            "layer_types only, and SGLang builds the hybrid layout from the interval")
+    return with_flag_value(argv, OVERRIDE_FLAG, encoded), note
 
 
 DTYPE_NAMES = {"float16": "float16", "half": "float16", "fp16": "float16", "bfloat16": "bfloat16",

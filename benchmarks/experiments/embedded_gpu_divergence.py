@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/experimen
 
 import numpy as np  # noqa: E402
 
-from _common import environment_receipt, read_tokens, truncate_rows, utc_now  # noqa: E402
+from _common import entailment_prob, environment_receipt, read_tokens, truncate_rows, utc_now  # noqa: E402
 from gpu_profile import base_parser, budget_groups, sync  # noqa: E402
 from embedded_gpu_variants import agreement, padded_loop  # noqa: E402
 
@@ -326,9 +326,7 @@ def main() -> int:
         key = f"padded{args.rows}"
         if "exact" not in cands or key not in cands:
             return groups[len(groups) // 2]
-        from embedded_gpu_variants import probs
-
-        dpe = np.abs(probs(cands[key])[:, 1] - probs(cands["exact"])[:, 1])
+        dpe = np.abs(entailment_prob(cands[key]) - entailment_prob(cands["exact"]))
         worst = int(dpe.argmax())
         return next(g for g in groups if worst in g)
 

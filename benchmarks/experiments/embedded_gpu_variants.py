@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 import numpy as np  # noqa: E402
 
-from _common import environment_receipt, read_tokens, truncate_rows, utc_now  # noqa: E402
+from _common import environment_receipt, read_tokens, softmax, truncate_rows, utc_now  # noqa: E402
 from gpu_profile import base_parser, budget_groups, prof_tables, sync  # noqa: E402
 
 EXACT = ("exact", "exact_nocache", "exact_async", "exact_threads2", "exact_threads3")
@@ -68,14 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def probs(logits: np.ndarray) -> np.ndarray:
-    z = logits.astype(np.float64)
-    z = np.exp(z - z.max(axis=1, keepdims=True))
-    return z / z.sum(axis=1, keepdims=True)
-
-
 def agreement(cand: np.ndarray, ref: np.ndarray) -> dict:
-    pc, pr = probs(cand), probs(ref)
+    pc, pr = softmax(cand), softmax(ref)
     return {"bitwise_equal": bool(np.array_equal(cand, ref)), "max_abs_logit_diff": float(np.abs(cand - ref).max()),
             "max_abs_dp_e": float(np.abs(pc[:, 1] - pr[:, 1]).max()), "max_abs_dp": float(np.abs(pc - pr).max()),
             "argmax_changes": int((pc.argmax(1) != pr.argmax(1)).sum())}
