@@ -64,10 +64,11 @@ test-sglang: sglang-venvs
 
 venv: $(VENV)/.requirements.stamp
 
-$(VENV)/.requirements.stamp: requirements.txt
+$(VENV)/.requirements.stamp: requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps -e .
 	touch $@
 
 clean-demo:

@@ -89,7 +89,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from _common import (LABELS, UserError, atomic_write_bytes, atomic_write_json, entailment_prob, environment_receipt,
+from openjev.common import (LABELS, UserError, atomic_write_bytes, atomic_write_json, entailment_prob, environment_receipt,
                      ids_sha256, read_inputs, read_tokens, run_main, sha256_bytes, sha256_file, truncate_rows, utc_now)
 
 KIND = "openjev-bench"

@@ -41,7 +41,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import PRODUCTION_PORT, UserError, atomic_write_json, run_main, utc_now  # noqa: E402
+from openjev.common import PRODUCTION_PORT, UserError, atomic_write_json, run_main, utc_now  # noqa: E402
 import report_bench_history as report  # noqa: E402
 import tune_sglang_v100 as tune  # noqa: E402
 

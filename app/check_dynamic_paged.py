@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Check (and optionally benchmark) the project's dynamic-shape TileLang paged prefill kernel.
 
-Shapes (the kernel's contract, kernels/dynamic_paged.py):
+Shapes (the kernel's contract, openjev/paged/dynamic_paged.py):
   q             fp16  [total_q, heads, dim]            new tokens of every sequence, packed
   k_cache/v_cache fp16 [num_pages, page_size, heads_kv, dim]
   block_table   int32 [batch, width]                   physical page of each logical page
@@ -42,7 +42,7 @@ import time
 import traceback
 from pathlib import Path
 
-from _common import UserError, atomic_write_json, environment_receipt, run_main, utc_now
+from openjev.common import UserError, atomic_write_json, environment_receipt, run_main, utc_now
 
 DEFAULT_PREFIX_FRACTIONS = "0,0.5,0.9"
 
@@ -158,8 +158,8 @@ def receipt_environment(torch) -> dict:
 # Check
 # --------------------------------------------------------------------------------------------
 def run_check(args, torch, counter: CompileCounter) -> dict:
-    from kernels import dynamic_paged as dp
-    from kernels.reference import KNOWN_BUG_MASKS, check_cases, reference_paged_prefill
+    from openjev.paged import dynamic_paged as dp
+    from openjev.paged.reference import KNOWN_BUG_MASKS, check_cases, reference_paged_prefill
 
     device = torch.device(args.device)
     major, minor = torch.cuda.get_device_capability(device)
@@ -311,8 +311,8 @@ def sdpa_runner(torch, q, k, v, scale: float, q_len: int, kv_len: int):
 
 
 def run_bench(args, torch, counter: CompileCounter) -> dict:
-    from kernels import dynamic_paged as dp
-    from kernels.reference import causal_flops, make_case
+    from openjev.paged import dynamic_paged as dp
+    from openjev.paged.reference import causal_flops, make_case
 
     device = torch.device(args.device)
     major, minor = torch.cuda.get_device_capability(device)
@@ -411,7 +411,7 @@ def run_bench(args, torch, counter: CompileCounter) -> dict:
 # Code generation only
 # --------------------------------------------------------------------------------------------
 def run_codegen(args, counter: CompileCounter) -> dict:
-    from kernels import dynamic_paged as dp
+    from openjev.paged import dynamic_paged as dp
 
     t0 = time.perf_counter()
     lowered = dp.lower_for_arch(args.codegen_only_arch, heads=args.heads, heads_kv=args.heads_kv, dim=args.dim,
@@ -442,7 +442,7 @@ def run_codegen(args, counter: CompileCounter) -> dict:
 
 
 def build_cubin(source: str, arch: str, nvcc: str) -> dict:
-    from kernels.dynamic_paged import _parse_arch
+    from openjev.paged.dynamic_paged import _parse_arch
     from tilelang.cuda.backend import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
 
     cc = _parse_arch(arch)

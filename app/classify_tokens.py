@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import requests
 
-from _common import LABELS, UserError, read_inputs, read_tokens, run_main
+from openjev.common import LABELS, UserError, read_inputs, read_tokens, run_main
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -95,7 +95,7 @@ checked-out HEADs and working-tree diff hashes; every patch with its sha256; pac
 (torch, sglang, sglang-kernel, flashinfer, tilelang, transformers, triton, NCCL); GCC, nvcc,
 rustc, cargo and protoc versions; the preflight result before and after the install (arch list,
 device, matmul max abs error and tolerance); every step with ran/already-done; whether
---allow-unpinned was used; and the machine (app/_common.py environment_receipt).
+--allow-unpinned was used; and the machine (openjev/common.py environment_receipt).
 
 Exit status: 0 on success (and for --dry-run, --help); 1 with one line on stderr when a
 check refuses (preflight, pins, GCC 10, toolkit) or a step fails; 2 for usage errors.
@@ -363,7 +363,7 @@ build_plan() {
         receipt_args+=(--patch "$patch")
     done
     ((ALLOW_UNPINNED)) && receipt_args+=(--allow-unpinned)
-    step receipt "" "OPENJEV_PREFLIGHT_JSON=\"\$PREFLIGHT_JSON\" $(q "$PY" "${receipt_args[@]}")"
+    step receipt "" "OPENJEV_PREFLIGHT_JSON=\"\$PREFLIGHT_JSON\" PYTHONPATH=$(q "$BUNDLE_ROOT")\${PYTHONPATH:+:\$PYTHONPATH} $(q "$PY" "${receipt_args[@]}")"
 }
 
 # ------------------------------------------------------------------ dry run

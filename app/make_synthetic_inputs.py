@@ -20,7 +20,7 @@ import json
 import random
 from pathlib import Path
 
-from _common import UserError, atomic_write_bytes, refuse_existing, run_main
+from openjev.common import UserError, atomic_write_bytes, refuse_existing, run_main
 
 
 def span(text: str) -> tuple[int, int]:

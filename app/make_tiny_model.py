@@ -31,7 +31,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from _common import LABELS, REPO_ROOT, UserError, atomic_write_json, run_main, utc_now
+from openjev.common import LABELS, REPO_ROOT, UserError, atomic_write_json, run_main, utc_now
 
 SAMPLE = REPO_ROOT / "data" / "nli_sample.jsonl"
 

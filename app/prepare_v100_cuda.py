@@ -52,7 +52,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import requests
 import urllib3
 
-from _common import (
+from openjev.common import (
     UserError,
     atomic_write_json,
     environment_receipt,

@@ -33,7 +33,7 @@ import signal
 import sys
 from pathlib import Path
 
-from _common import UserError, atomic_write_json, load_sources, openjev_root, run_main, sha256_file, utc_now
+from openjev.common import UserError, atomic_write_json, load_sources, openjev_root, run_main, sha256_file, utc_now
 from sglang_openjev.contract import check_label_order
 
 MARKER = ".openjev_overlay.json"

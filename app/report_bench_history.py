@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import UserError, atomic_write_json, run_main  # noqa: E402
+from openjev.common import UserError, atomic_write_json, run_main  # noqa: E402
 import tune_sglang_v100 as tune  # noqa: E402
 
 PROFILE_NAME = "scheduled"

@@ -10,7 +10,7 @@ Writes into the new directory OUT:
 FP16 on a GPU (the spec's reference); on a CPU float32, recorded as such. --batch-size 1 (the
 default) scores each row alone and unpadded: the purest reference. A larger batch pads rows of
 similar length into one forward (recorded as mode "padded"); its full-attention layers attend
-row by row and cuBLAS runs without split-K (app/_classifier.py, app/_kernels.py), so on a GPU the
+row by row and cuBLAS runs without split-K (openjev/engine/classifier.py, openjev/engine/kernels.py), so on a GPU the
 padded logits are bitwise the unpadded ones (H200: 128 rows, 41.6 rows/s with --batch-size 8
 against 18.5 unpadded, results_h200/embedded_gpu/call9-rowwise). --verify-rows N checks that on
 the machine at hand: N rows are scored again unpadded and must match bit for bit, else nothing is
@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from _common import (LABELS, UserError, atomic_write_bytes, atomic_write_json, environment_receipt, ids_sha256,
+from openjev.common import (LABELS, UserError, atomic_write_bytes, atomic_write_json, environment_receipt, ids_sha256,
                      read_inputs, read_tokens, run_main, sha256_file, truncate_rows, utc_now)
 
 
@@ -76,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_checked(args, rows, row_ids):
-    from _classifier import load_classifier
-    from _kernels import path_label
+    from openjev.engine.classifier import load_classifier
+    from openjev.engine.kernels import path_label
 
     clf = load_classifier(args.model, args.device, args.dtype)
     for i, r in enumerate(rows):
@@ -95,7 +95,7 @@ def resolve_threads(requested: int, device: str, batch_size: int) -> int:
 
 
 def score_units(clf, rows, units, out, threads=1, bar=None) -> None:
-    from _classifier import score_exact, score_padded
+    from openjev.engine.classifier import score_exact, score_padded
 
     singles = [u[0] for u in units if len(u) == 1]
     if singles:  # exact rows in one call: deferred copies, and threads where asked
@@ -118,7 +118,7 @@ def verify_picks(rows: list[list[int]], n: int) -> list[int]:
 
 def verify_padded(clf, rows, logits, n: int) -> dict | None:
     """--verify-rows: the picked rows' unpadded logits against the padded pass's, bit for bit."""
-    from _classifier import score_exact
+    from openjev.engine.classifier import score_exact
 
     picks = verify_picks(rows, n)
     if not picks:
@@ -138,7 +138,7 @@ def verify_padded(clf, rows, logits, n: int) -> dict | None:
 
 
 def score_here(args, rows, row_ids, units):
-    from _warmup import warm_up
+    from openjev.engine.warmup import warm_up
 
     clf = load_checked(args, rows, row_ids)
     warm = warm_up(clf, rows, args.warmup, padded=args.batch_size > 1)
@@ -156,7 +156,7 @@ def score_here(args, rows, row_ids, units):
 def _worker(args, rows, row_ids, units, ready, go, results) -> None:
     """One scoring process: load, warm up, report ready, wait for the common start, score."""
     try:
-        from _warmup import warm_up
+        from openjev.engine.warmup import warm_up
 
         clf = load_checked(args, rows, row_ids)
         warm = warm_up(clf, rows, args.warmup, padded=args.batch_size > 1)
@@ -247,8 +247,8 @@ def main() -> int:
     rows, n_cut = truncate_rows(rows, args.truncate)
 
     import torch  # noqa: F401  (recorded in the environment receipt)
-    from _classifier import weight_files
-    from _kernels import compute_bound, measure_matmul_peak, model_flops, path_label
+    from openjev.engine.classifier import weight_files
+    from openjev.engine.kernels import compute_bound, measure_matmul_peak, model_flops, path_label
 
     # units of work: single rows (exact), or batches of rows of similar length (the rows sorted by
     # length, then cut every --batch-size), the same whatever --workers is

@@ -455,16 +455,15 @@ print_command() {
 # Refuse a port that already has a listener, with the project's own bind check.
 check_port() {
     local msg rc=0
-    msg=$("$PYTHON" -B -c '
+    msg=$(PYTHONPATH=$BUNDLE_ROOT${PYTHONPATH:+:$PYTHONPATH} "$PYTHON" -B -c '
 import sys
-sys.path.insert(0, sys.argv[1])
-import _common
+from openjev.common import UserError, bind_listen_socket
 try:
-    _common.bind_listen_socket(sys.argv[2], int(sys.argv[3]), backlog=1).close()
-except _common.UserError as exc:
+    bind_listen_socket(sys.argv[1], int(sys.argv[2]), backlog=1).close()
+except UserError as exc:
     print(exc)
     sys.exit(3)
-' "$SCRIPT_DIR" "$HOST" "$PORT" 2>&1) || rc=$?
+' "$HOST" "$PORT" 2>&1) || rc=$?
     case $rc in
         0) ;;
         3) die "$msg" ;;

@@ -43,7 +43,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from _common import UserError, bind_listen_socket, git_revision, run_main, utc_now
+from openjev.common import UserError, bind_listen_socket, git_revision, run_main, utc_now
 from sglang_openjev import contract
 from sglang_openjev.routes import read_body  # the body, refused with 413 past the limit (shared with the adapter)
 
@@ -228,7 +228,7 @@ class Engine:
         try:
             import torch
 
-            from _classifier import load_classifier, resolve_device
+            from openjev.engine.classifier import load_classifier, resolve_device
 
             device = resolve_device(self.args.device)
             self.torch_threads = self.args.torch_threads or auto_torch_threads(available_cores(), device)
@@ -236,7 +236,7 @@ class Engine:
             self.clf = load_classifier(self.args.checkpoint, self.args.device, self.args.dtype)
             self.batching = self.args.batching if self.args.batching != "auto" else (
                 "exact" if self.clf.device == "cpu" else "padded")
-            from _warmup import prepare_serving  # compile GDN kernels before the first request
+            from openjev.engine.warmup import prepare_serving  # compile GDN kernels before the first request
 
             self.warmup = prepare_serving(self.clf, self.batching, self.args.max_running_requests)
         except Exception as exc:  # noqa: BLE001 - any load failure ends the process with one line
@@ -320,7 +320,7 @@ class Engine:
     def _run_step(self, picked: list[tuple[Job, int]]) -> None:
         import numpy as np
 
-        from _classifier import padded_logits, score_exact
+        from openjev.engine.classifier import padded_logits, score_exact
 
         rows = [job.rows[i] for job, i in picked]
         t0 = time.perf_counter()
@@ -797,8 +797,8 @@ def main() -> int:
         raise UserError("--watchdog-seconds and --torch-threads must not be negative")
     if not (args.checkpoint / "config.json").is_file():
         raise UserError(f"{args.checkpoint} is not a model directory (no config.json)")
-    from _fused import fused_mode
-    from _kernels import kernel_mode
+    from openjev.engine.fused import fused_mode
+    from openjev.engine.kernels import kernel_mode
 
     kernel_mode(), fused_mode()  # a typo in OPENJEV_KERNELS / OPENJEV_FUSED fails here, before the port
     sock = bind_listen_socket(args.host, args.port)  # refuse a busy port before anything slow happens

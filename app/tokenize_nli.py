@@ -21,7 +21,7 @@ import argparse
 import json
 from pathlib import Path
 
-from _common import (UserError, atomic_write_bytes, atomic_write_json, read_inputs, refuse_existing, run_main,
+from openjev.common import (UserError, atomic_write_bytes, atomic_write_json, read_inputs, refuse_existing, run_main,
                      sha256_file, utc_now)
 
 DEFAULT_TEMPLATE = "{instruction}\nPremise: {premise}\nHypothesis: {hypothesis}"

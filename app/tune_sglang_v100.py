@@ -107,7 +107,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from _common import (PRODUCTION_PORT, REPO_ROOT, UserError, atomic_write_json, environment_receipt, openjev_root,
+from openjev.common import (PRODUCTION_PORT, REPO_ROOT, UserError, atomic_write_json, environment_receipt, openjev_root,
                      port_is_free, run_main, utc_now)
 
 APP_DIR = Path(__file__).resolve().parent

@@ -130,8 +130,7 @@ def _distribution_versions(names: list[str]) -> dict:
 
 
 def write_receipt(args: argparse.Namespace) -> int:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import _common
+    import openjev.common as _common
 
     before = json.loads(os.environ.get("OPENJEV_PREFLIGHT_JSON") or "null")
     steps = []

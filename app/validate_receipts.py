@@ -28,7 +28,7 @@ import json
 import sys
 from pathlib import Path
 
-from _common import REPO_ROOT, UserError, run_main, sha256_file
+from openjev.common import REPO_ROOT, UserError, run_main, sha256_file
 
 SCHEMA_DIR = REPO_ROOT / "results_v100" / "schemas"
 SCHEMA_SUFFIX = ".schema.json"

@@ -25,7 +25,7 @@ import json
 import os
 from pathlib import Path
 
-from _common import REPO_ROOT, UserError, load_sources, run_main, sha256_file
+from openjev.common import REPO_ROOT, UserError, load_sources, run_main, sha256_file
 
 # Pins that other scripts consume: (HF_SOURCE key, field) -> the script that verifies it.
 OTHER_PINS = {

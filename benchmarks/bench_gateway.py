@@ -50,7 +50,7 @@ sys.path.insert(0, str(APP))
 sys.path.insert(0, str(REPO / "deploy"))
 
 import unit_runner  # noqa: E402
-from _common import UserError, atomic_write_json, git_revision, run_main, utc_now  # noqa: E402
+from openjev.common import UserError, atomic_write_json, git_revision, run_main, utc_now  # noqa: E402
 
 KIND = "openjev-gateway-bench"
 DEFAULT_OUT = REPO / "benchmarks" / "results_cpu" / "gateway_cpu.json"
@@ -364,7 +364,7 @@ def main() -> int:
     ka, fr = latency["keepalive"]["health"]["direct"]["p50_ms"], latency["fresh"]["health"]["direct"]["p50_ms"]
     stall = {"detected": ka > 30 and fr < 10, "direct_keepalive_health_p50_ms": ka,
              "direct_fresh_health_p50_ms": fr,
-             "explanation": "the embedded backend's accepted sockets lack TCP_NODELAY (app/_common.py "
+             "explanation": "the embedded backend's accepted sockets lack TCP_NODELAY (openjev/common.py "
                             "bind_listen_socket creates the socket with proto 0, so asyncio does not set it): "
                             "uvicorn writes headers and body separately and the body waits for the client's "
                             "delayed ACK. The gateway (option http-server-close) is not affected; direct "

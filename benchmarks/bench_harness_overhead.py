@@ -42,7 +42,7 @@ APP = REPO / "app"
 sys.path.insert(0, str(APP))
 
 import bench_classify_v100 as bench  # noqa: E402
-from _common import UserError, atomic_write_json, environment_receipt, run_main, utc_now  # noqa: E402
+from openjev.common import UserError, atomic_write_json, environment_receipt, run_main, utc_now  # noqa: E402
 
 KIND = "openjev-harness-overhead"
 DEFAULT_OUT = REPO / "benchmarks" / "results_cpu" / "harness_overhead_cpu.json"

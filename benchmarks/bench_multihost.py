@@ -65,7 +65,7 @@ sys.path.insert(0, str(REPO / "deploy"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import unit_runner  # noqa: E402
-from _common import UserError, atomic_write_json, git_revision, run_main, utc_now  # noqa: E402
+from openjev.common import UserError, atomic_write_json, git_revision, run_main, utc_now  # noqa: E402
 from bench_gateway import admin, build_tiny, machine, run, summary_ms  # noqa: E402
 from openjev_testsupport.pki import CERTS, make_host_tls  # noqa: E402  (_common puts the repo root on sys.path)
 

@@ -56,7 +56,7 @@ sys.path.insert(0, str(REPO / "deploy"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import unit_runner  # noqa: E402
-from _common import UserError, atomic_write_json, git_revision, run_main, softmax, utc_now  # noqa: E402
+from openjev.common import UserError, atomic_write_json, git_revision, run_main, softmax, utc_now  # noqa: E402
 from bench_gateway import Client, admin, free_pair, free_port, machine, run, summary_ms  # noqa: E402
 
 KIND = "openjev-replicas-gpu-bench"

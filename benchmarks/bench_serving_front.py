@@ -43,7 +43,7 @@ APP = REPO / "app"
 SAMPLE = REPO / "data" / "nli_sample.jsonl"
 sys.path.insert(0, str(APP))
 sys.path.insert(0, str(REPO / "benchmarks"))
-from _common import UserError, run_main, utc_now  # noqa: E402
+from openjev.common import UserError, run_main, utc_now  # noqa: E402
 from bench_gateway import machine as machine_facts  # noqa: E402
 
 

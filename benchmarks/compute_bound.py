@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "app"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import UserError, atomic_write_json, run_main  # noqa: E402
+from openjev.common import UserError, atomic_write_json, run_main  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +51,7 @@ def main() -> int:
         raise UserError(f"{args.receipt} is not a bench receipt (kind {receipt.get('kind')!r})")
     mode, wall = median_wall(receipt)
     tokens = int(receipt["tokens"]["total_ids_sent_per_pass"])
-    from _kernels import compute_bound, measure_matmul_peak, model_flops
+    from openjev.engine.kernels import compute_bound, measure_matmul_peak, model_flops
 
     dtype = "float32" if args.device == "cpu" else "float16"
     bound = compute_bound(measure_matmul_peak(args.device, dtype), dtype, model_flops(args.model, tokens), wall)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where the embedded backend's and the reference scorer's time goes (a benchmark, not a test).
 
-Loads the classifier through app/_classifier.py (kernel choice of app/_kernels.py, recorded),
+Loads the classifier through openjev/engine/classifier.py (kernel choice of openjev/engine/kernels.py, recorded),
 then on one input set:
 
   exact     one unpadded forward per row, as score_reference.py: rows never seen before
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from _common import read_tokens, truncate_rows  # noqa: E402
+from openjev.common import read_tokens, truncate_rows  # noqa: E402
 
 
 def base_parser(doc: str, out_help: str = "directory (created)") -> argparse.ArgumentParser:
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--full-exact", action="store_true", help="also time one exact pass over the whole set")
     p.add_argument("--compile-budgets", default="", help="after the padded passes, torch.compile the norm/MLP "
-                   "modules (app/_kernels.py compile_pointwise) and time these budgets again")
+                   "modules (openjev/engine/kernels.py compile_pointwise) and time these budgets again")
     return p
 
 
@@ -66,7 +66,7 @@ def sync(device):
 
 
 def time_exact(clf, rows, device):
-    from _classifier import score_exact
+    from openjev.engine.classifier import score_exact
 
     out = []
     for r in rows:
@@ -95,7 +95,7 @@ def budget_groups(lengths: list[int], budget: int, max_rows: int | None = None) 
 
 def time_padded_passes(clf, rows, groups, passes, device):
     """Wall seconds of each of `passes` whole-set passes of padded forwards, one per group of row indices."""
-    from _classifier import score_padded
+    from openjev.engine.classifier import score_padded
 
     times = []
     for _ in range(passes):
@@ -154,8 +154,8 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
 
-    from _classifier import load_classifier, score_exact, score_padded
-    from _kernels import kernel_path, measure_matmul_peak, model_flops, path_label
+    from openjev.engine.classifier import load_classifier, score_exact, score_padded
+    from openjev.engine.kernels import kernel_path, measure_matmul_peak, model_flops, path_label
 
     res: dict = {"tokens_file": str(args.tokens)}
     t0 = time.perf_counter()
@@ -219,7 +219,7 @@ def main() -> int:
         print(f"padded budget {budget}: {padded[str(budget)]}", flush=True)
     res["padded"] = padded
     if args.compile_budgets:
-        from _kernels import compile_pointwise
+        from openjev.engine.kernels import compile_pointwise
 
         compile_pointwise(clf.model)
         comp = {}

@@ -4,7 +4,7 @@ benchmark, not a test).
 
 Input: the module outputs SGLang computed for some rows (benchmarks/sglang_forward_capture.py via
 SGLang's --forward-hooks, one file per row) and the logits its /classify returned for them. For each
-row, in one process with the Transformers classifier the reference uses (app/_classifier.py):
+row, in one process with the Transformers classifier the reference uses (openjev/engine/classifier.py):
 
   reconstruct  SGLang's residual stream from its captured outputs (embedding + each mixer + each MLP,
                FP16 adds), the final norm and score head applied to it: must give SGLang's logits
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "app"))
 
 import numpy as np  # noqa: E402
 
-from _common import atomic_write_json, entailment_prob, environment_receipt, read_tokens, utc_now  # noqa: E402
+from openjev.common import atomic_write_json, entailment_prob, environment_receipt, read_tokens, utc_now  # noqa: E402
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -279,7 +279,7 @@ def pytorch_gdn():
 def main(args) -> int:
     import torch
 
-    from _classifier import load_classifier
+    from openjev.engine.classifier import load_classifier
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -31,7 +31,7 @@ import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "app"))
-from _common import atomic_write_bytes, sha256_file  # noqa: E402
+from openjev.common import atomic_write_bytes, sha256_file  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PROG = "sglang_gpu_wheels"

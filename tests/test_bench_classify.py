@@ -529,7 +529,7 @@ def test_percentiles_and_softmax():
     s = bench.percentile_summary([1.0, 2.0, 3.0, 4.0])
     assert s["p50"] == 2.5 and s["max"] == 4.0 and s["count"] == 4 and s["p99"] == pytest.approx(3.97)
     assert bench.percentile_summary([])["p50"] is None
-    from _common import softmax
+    from openjev.common import softmax
 
     p = softmax(np.array([[1000.0, 1000.0, 1000.0], [0.0, 0.0, np.log(2.0)]]))
     assert np.allclose(p[0], 1 / 3) and np.allclose(p[1], [0.25, 0.25, 0.5])

@@ -1,4 +1,4 @@
-"""kernels/ (dynamic paged prefill), app/check_dynamic_paged.py and patches/dynamic-paged.patch.
+"""openjev/paged/ (dynamic paged prefill), app/check_dynamic_paged.py and patches/dynamic-paged.patch.
 
 CPU tests check the dense reference against a plain per-sequence loop, that the known
 prefix/causal bugs are far outside the check's tolerance on its cases, the case generator's
@@ -25,8 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from kernels import dynamic_paged as dp  # noqa: E402
-from kernels.reference import (  # noqa: E402
+from openjev.paged import dynamic_paged as dp  # noqa: E402
+from openjev.paged.reference import (  # noqa: E402
     KNOWN_BUG_MASKS,
     causal_flops,
     causal_visibility,
@@ -195,10 +195,10 @@ def test_import_needs_no_tilelang():
         "        if name.split('.')[0] in ('tilelang', 'tvm', 'tvm_ffi'):\n"
         "            raise ImportError('blocked for the test: ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import kernels\n"
-        "from kernels import dynamic_paged, reference\n"
+        "import openjev.paged as paged\n"
+        "from openjev.paged import dynamic_paged, reference\n"
         "assert 'tilelang' not in sys.modules\n"
-        "print(kernels.tile_config_for_arch('sm_70'))\n"
+        "print(paged.tile_config_for_arch('sm_70'))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -43,7 +43,7 @@ def test_server_cuts_and_a_profile(overlay, sample_tokens, tmp_path):
     """--grouping dp forms the forwards as the embedded server cuts a step (least padding over the
     whole set); --profile adds torch.profiler tables of one pass."""
     sys.path.insert(0, str(REPO / "app"))
-    from _common import read_tokens
+    from openjev.common import read_tokens
     from serve_transformers import length_groups
 
     out = tmp_path / "v"

@@ -1,4 +1,4 @@
-"""app/_fused.py: the embedded server's fused kernels are used only where they are bitwise
+"""openjev/engine/fused.py: the embedded server's fused kernels are used only where they are bitwise
 Transformers' modules, and a model with them gives the same logits.
 
 On a CPU the Triton kernels run under Triton's interpreter (TRITON_INTERPRET=1, numpy), in a
@@ -32,8 +32,8 @@ except ImportError as exc:
 FUSE_ON_CPU = r"""
 import json, sys
 import numpy as np, torch
-from _classifier import load_classifier, score_exact, score_padded
-import _fused
+from openjev.engine.classifier import load_classifier, score_exact, score_padded
+from openjev.engine import fused as _fused
 clf = load_classifier(sys.argv[1], device="cpu", dtype="float16")
 rows = [[(7 * i + 3 * j) % clf.vocab_size for i in range(n)] for j, n in enumerate([5, 40, 77, 12])]
 before = (score_exact(clf, rows), score_padded(clf, rows))
@@ -84,7 +84,7 @@ def test_each_kernel_matches_its_float32_recipe():
     (numpy's exp for silu, as the interpreter uses): bitwise."""
     code = r"""
 import numpy as np, torch
-import _fused
+from openjev.engine import fused as _fused
 g = torch.Generator().manual_seed(1)
 def silu(x):
     x = x.numpy()
@@ -141,9 +141,9 @@ print("ok")
 def test_off_and_unknown_modes(tiny_model):
     code = r"""
 import json, sys
-from _classifier import load_classifier
-import _fused
-from _common import UserError
+from openjev.engine.classifier import load_classifier
+from openjev.engine import fused as _fused
+from openjev.common import UserError
 clf = load_classifier(sys.argv[1], device="cpu", dtype="float16")
 off = _fused.apply_fused(clf.model, "cpu", "off")
 cpu = _fused.apply_fused(clf.model, "cpu")
@@ -207,7 +207,7 @@ def test_norm_falls_back_to_torch_mean_where_the_one_pass_order_differs():
     code = r"""
 import json, torch
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
-import _fused
+from openjev.engine import fused as _fused
 model = torch.nn.Sequential(Qwen3_5RMSNorm(256)).half()
 torch.nn.init.normal_(model[0].weight, std=0.5)
 rec = _fused.apply_fused(model, "cpu")
@@ -232,7 +232,7 @@ def test_one_pass_variance_is_torch_mean_on_a_gpu():
         pytest.skip("no CUDA device: the one-pass variance reproduces PyTorch's CUDA summation order")
     if triton_missing:
         pytest.skip(triton_missing)
-    import _fused
+    from openjev.engine import fused as _fused
 
     g = torch.Generator(device="cpu").manual_seed(3)
     bad = []

@@ -1,4 +1,4 @@
-"""app/_kernels.py and benchmarks/compute_bound.py: the kernel choice, its report, the FLOP count."""
+"""openjev/engine/kernels.py and benchmarks/compute_bound.py: the kernel choice, its report, the FLOP count."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def test_float64_recurrence_matches_transformers_gated_delta_rule():
     torch = pytest.importorskip("torch")
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
-    from _kernels import naive_gated_delta
+    from openjev.engine.kernels import naive_gated_delta
 
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 70, 3, 16, generator=gen) for _ in range(3))
@@ -100,7 +100,7 @@ def test_linear_flops_count_the_text_matmuls_only(overlay):
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForSequenceClassification
 
-    from _kernels import linear_weight_elements, model_flops
+    from openjev.engine.kernels import linear_weight_elements, model_flops
 
     model = AutoModelForSequenceClassification.from_pretrained(overlay)
     expect = sum(m.weight.numel() for n, m in model.named_modules()
@@ -112,7 +112,7 @@ def test_linear_flops_count_the_text_matmuls_only(overlay):
 def test_compute_bound_keeps_small_fractions_precise():
     """CI measured 0.0018 for 0.00184 (rounding to 4 decimals lost 2% of a CPU figure): the
     figures keep 4 significant digits, whatever their size."""
-    from _kernels import compute_bound
+    from openjev.engine.kernels import compute_bound
 
     cb = compute_bound(0.1234567, "float32", flops=0.5 * 0.1234567e12 * 0.0183964, seconds=0.5)
     assert cb["peak_tflops"] == 0.1235 and cb["fraction_of_peak"] == 0.0184
@@ -155,7 +155,7 @@ def test_server_reports_kernel_path_and_warmup(server):
     info = requests.get(f"{server.url}/server_info", timeout=10).json()
     assert info["kernel_path"]["gdn"] == "torch-fallback" and info["kernel_path"]["attn_implementation"]
     assert info["warmup"]["forwards"] >= 2 and "skipped" in info["warmup"]["fla_shapes"]
-    assert info["kernel_path"]["fused"]["reason"].startswith("device cpu")  # app/_fused.py: GPU only
+    assert info["kernel_path"]["fused"]["reason"].startswith("device cpu")  # openjev/engine/fused.py: GPU only
 
 
 # ---------------------------------------------------------------- pinned autotuner configurations
@@ -197,8 +197,8 @@ import json, sys
 from pathlib import Path
 import torch, triton
 import pintest_k as k
-import _kernels
-from _common import UserError
+from openjev.engine import kernels as _kernels
+from openjev.common import UserError
 
 
 def run(fn, n):
@@ -275,7 +275,7 @@ def test_a_damaged_pins_file_is_a_clear_error_and_is_kept(tmp_path):
 
 def test_pins_path_from_the_environment(tmp_path):
     code = """
-import _kernels
+from openjev.engine import kernels as _kernels
 print(_kernels.fla_configs_path("NVIDIA H200", "h32-k128-v128-float16"))
 """
     assert run_py(code, {"OPENJEV_FLA_CONFIGS": "off"}).stdout.strip() == "None"
@@ -301,8 +301,8 @@ def test_fla_configs_pinned_on_a_gpu_keep_padded_forwards_bitwise_exact(overlay,
     code = """
 import json, sys
 import numpy as np
-from _classifier import load_classifier, score_exact, score_padded
-from _kernels import kernel_path
+from openjev.engine.classifier import load_classifier, score_exact, score_padded
+from openjev.engine.kernels import kernel_path
 clf = load_classifier(sys.argv[1], device="cuda")
 rows = [[(11 * i + 5 * j) % clf.vocab_size for i in range(1100 + 7 * j)] for j in range(16)]
 ex, pd = score_exact(clf, rows), score_padded(clf, rows)

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(REPO / "app"))
 
 import prepare_v100_cuda as cuda  # noqa: E402
-from _common import UserError  # noqa: E402
+from openjev.common import UserError  # noqa: E402
 from _http_fixtures import LoopbackHTTPServer  # noqa: E402
 
 PYTHON = str(REPO / ".venv/bin/python") if (REPO / ".venv/bin/python").exists() else sys.executable

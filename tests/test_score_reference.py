@@ -186,7 +186,7 @@ def test_verify_rows_refuses_a_padded_reference_that_is_not_exact(overlay, sampl
 
 def _classifier_and_rows(overlay, sample_tokens):
     sys.path.insert(0, str(REPO / "app"))
-    from _classifier import load_classifier
+    from openjev.engine.classifier import load_classifier
 
     _, rows = token_rows(sample_tokens)
     return load_classifier(overlay, "cpu"), rows
@@ -196,7 +196,7 @@ def test_exact_and_padded_forwards_without_the_cache_are_bitwise_the_default_cal
     """score_exact/score_padded pass use_cache=False (no cache object built and filled); the logits
     must be bitwise those of Transformers' default call, which builds the cache."""
     torch = pytest.importorskip("torch")
-    from _classifier import padded_rows, score_exact, score_padded
+    from openjev.engine.classifier import padded_rows, score_exact, score_padded
 
     clf, rows = _classifier_and_rows(overlay, sample_tokens)
     rows = rows[:4]
@@ -243,7 +243,7 @@ def test_rowwise_attention_repeats_each_rows_unpadded_call(overlay, sample_token
     (padded_rows, as score_padded does), gives each row bitwise the output of its own unpadded
     forward: same queries, keys and values, attended through the same unmasked causal call."""
     torch = pytest.importorskip("torch")
-    from _classifier import padded_rows, rowwise_attention
+    from openjev.engine.classifier import padded_rows, rowwise_attention
 
     assert rowwise_attention() == "rowwise"
     clf, rows = _classifier_and_rows(overlay, sample_tokens)
@@ -270,9 +270,9 @@ def test_rowwise_attention_repeats_each_rows_unpadded_call(overlay, sample_token
 
 
 def test_padded_attention_mode_is_checked(monkeypatch):
-    from _kernels import padded_attention_mode
+    from openjev.engine.kernels import padded_attention_mode
 
-    from _common import UserError
+    from openjev.common import UserError
 
     monkeypatch.setenv("OPENJEV_PADDED_ATTENTION", "masked")
     assert padded_attention_mode() == "masked"
@@ -308,7 +308,7 @@ def test_exact_threads_on_a_gpu_are_bitwise_one_thread(overlay, sample_tokens):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device: the threaded exact path (a CUDA stream per thread) needs one "
                     "(measured on an H200: results_h200/embedded_gpu/)")
-    from _classifier import load_classifier, score_exact
+    from openjev.engine.classifier import load_classifier, score_exact
 
     _, rows = token_rows(sample_tokens)
     clf = load_classifier(overlay, "cuda")

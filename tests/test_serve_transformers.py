@@ -238,8 +238,8 @@ def test_sigterm_stops_gracefully(overlay, tmp_path):
 def test_embedded_loader_refuses_the_corrupted_checkpoints(tiny_model, tmp_path, case):
     """The five checkpoints SGLang's loader refuses (tests/test_sglang_openjev.py) are refused here
     too, with the same words; Transformers alone would warn and initialise at random."""
-    from _classifier import load_classifier
-    from _common import UserError
+    from openjev.engine.classifier import load_classifier
+    from openjev.common import UserError
 
     expect = strict_loading_cases.write_case(tiny_model["checkpoint"], tmp_path / case, case)
     with pytest.raises(UserError) as err:
@@ -253,7 +253,7 @@ def test_documented_ignored_tensors_still_load(tiny_model, tmp_path):
     import shutil
 
     import torch
-    from _classifier import load_classifier
+    from openjev.engine.classifier import load_classifier
     from safetensors.torch import load_file, save_file
 
     ckpt = tmp_path / "ckpt"
@@ -298,7 +298,7 @@ def _server_writes_per_response(http_protocol) -> list[int]:
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 
-    from _common import bind_listen_socket
+    from openjev.common import bind_listen_socket
 
     app = FastAPI()
 

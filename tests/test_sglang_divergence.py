@@ -28,7 +28,7 @@ torch = pytest.importorskip("torch")
 def record(model_dir: Path, rows: dict[str, list[int]], out: Path, perturb: tuple[str, float] | None = None) -> dict:
     """Run the Transformers classifier on each row, saving its module outputs as SGLang's hooks would
     (out/len{T}.pt) and the logits (returned). perturb=(capture key, amount) adds to that output."""
-    from _classifier import load_classifier
+    from openjev.engine.classifier import load_classifier
 
     import sglang_gpu_divergence as tool
 

@@ -23,7 +23,7 @@ import pytest
 from conftest import APP, PY, REPO, SAMPLE, error_lines, free_port, tree_digest
 
 import tune_sglang_v100 as tune
-from _common import UserError
+from openjev.common import UserError
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SCRIPT = APP / "tune_sglang_v100.py"

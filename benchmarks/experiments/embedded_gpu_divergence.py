@@ -5,7 +5,7 @@ from a higher-precision forward (a diagnostic benchmark, not a test).
 The HTTP goal asks for max |dp_e| <= 2e-3 against the exact FP16 reference; the padded forwards
 of the embedded backend sit at 0.0020-0.0024. This script measures, in one process:
 
-  candidates  the exact FP16 reference loop (app/_classifier.py score_exact, one thread) and padded
+  candidates  the exact FP16 reference loop (openjev/engine/classifier.py score_exact, one thread) and padded
               FP16 forwards of --rows rows (length-sorted, as the embedded scheduler forms them),
               each with PyTorch's default cuBLAS reductions and again with
               torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/experimen
 
 import numpy as np  # noqa: E402
 
-from _common import entailment_prob, environment_receipt, read_tokens, truncate_rows, utc_now  # noqa: E402
+from openjev.common import entailment_prob, environment_receipt, read_tokens, truncate_rows, utc_now  # noqa: E402
 from gpu_profile import base_parser, budget_groups, sync  # noqa: E402
 from embedded_gpu_variants import agreement, padded_loop  # noqa: E402
 
@@ -104,7 +104,7 @@ def chain(clf, rows, group) -> list[dict]:
     """Every chained sub-module's output in the padded forward of `group` vs each row's exact forward."""
     import torch
 
-    from _classifier import score_exact, score_padded
+    from openjev.engine.classifier import score_exact, score_padded
 
     mods = {n: m for n, m in clf.model.named_modules()
             if ".layers." in n and (n.rsplit(".", 1)[-1] in CHAIN or n.rsplit(".", 1)[-1].isdigit())}
@@ -143,7 +143,7 @@ def isolated(clf, rows, group, layer_indices) -> list[dict]:
     """Modules run alone on identical inputs, one row at a time and as one zero-padded batch."""
     import torch
 
-    from _classifier import score_exact
+    from openjev.engine.classifier import score_exact
 
     mods = dict(clf.model.named_modules())
     wanted = [f"layers.{li}.{s}" for li in layer_indices for s in ISOLATED] + list(ISOLATED_TOP)
@@ -190,7 +190,7 @@ def overhead(clf, rows, repeats: int = 10) -> dict:
     """Enqueue vs wall time of warm exact forwards of one mid-length row, host syncs, cProfile."""
     import torch
 
-    from _classifier import _forward
+    from openjev.engine.classifier import _forward
 
     row = sorted(rows, key=len)[len(rows) // 2]
     ids = torch.tensor([row], dtype=torch.long, device=clf.device)
@@ -256,9 +256,9 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
 
-    from _classifier import load_classifier, score_exact
-    from _kernels import kernel_path
-    from _warmup import warm_up
+    from openjev.engine.classifier import load_classifier, score_exact
+    from openjev.engine.kernels import kernel_path
+    from openjev.engine.warmup import warm_up
 
     gpu = args.device.startswith("cuda")
     res: dict = {"kind": "openjev-embedded-gpu-divergence",

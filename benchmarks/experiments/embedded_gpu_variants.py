@@ -9,14 +9,14 @@ Exact variants (one unpadded row per forward, rows/s over the whole set):
                    use_cache, one device-to-host copy per row)
   exact_nocache    the same forward with use_cache=False (no cache object, no conv/recurrent
                    state written; the logits must stay bitwise equal)
-  exact_async      app/_classifier.py score_exact: use_cache=False, logits left on the device and
+  exact_async      openjev/engine/classifier.py score_exact: use_cache=False, logits left on the device and
                    copied once at the end
   exact_threadsN   score_exact(threads=N): N Python threads, a CUDA stream each, one model
 Padded variants (rows of a forward length-sorted, at most --rows rows and --budget padded tokens,
 as the embedded server's scheduler forms them; fraction of the fp16 matmul peak):
   padded           padded forwards with Transformers' default use_cache (before the change)
-  padded_nocache   app/_classifier.py score_padded (use_cache=False)
-  padded_fused     padded_nocache with app/_fused.py's kernels (only the pieces bitwise equal to
+  padded_nocache   openjev/engine/classifier.py score_padded (use_cache=False)
+  padded_fused     padded_nocache with openjev/engine/fused.py's kernels (only the pieces bitwise equal to
                    Transformers' modules on this device; the record is kept in the entry)
   compiled_pointwise  norm/MLP modules through torch.compile with Inductor's
                    emulate_precision_casts (eager's fp16 rounding kept inside fused kernels)
@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 import numpy as np  # noqa: E402
 
-from _common import environment_receipt, read_tokens, softmax, truncate_rows, utc_now  # noqa: E402
+from openjev.common import environment_receipt, read_tokens, softmax, truncate_rows, utc_now  # noqa: E402
 from gpu_profile import base_parser, budget_groups, prof_tables, sync  # noqa: E402
 
 EXACT = ("exact", "exact_nocache", "exact_async", "exact_threads2", "exact_threads3")
@@ -94,10 +94,10 @@ def exact_loop(clf, rows, use_cache=None) -> np.ndarray:
 
 def padded_loop(clf, rows, groups, use_cache=None) -> np.ndarray:
     """Padded forwards as before the change (use_cache=None: Transformers' default) or through
-    app/_classifier.py's score_padded (use_cache=False)."""
+    openjev/engine/classifier.py's score_padded (use_cache=False)."""
     import torch
 
-    from _classifier import score_padded
+    from openjev.engine.classifier import score_padded
 
     out = np.empty((len(rows), 3), dtype=np.float32)
     for g in groups:
@@ -120,7 +120,7 @@ def count_syncs(clf, part) -> int | None:
 
     import torch
 
-    from _classifier import padded_logits
+    from openjev.engine.classifier import padded_logits
 
     if not str(clf.device).startswith("cuda"):
         return None
@@ -180,10 +180,10 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
 
-    from _classifier import load_classifier, score_exact
-    from _fused import apply_fused, remove_fused
-    from _kernels import compile_pointwise, kernel_path, measure_matmul_peak, model_flops, path_label
-    from _warmup import warm_up
+    from openjev.engine.classifier import load_classifier, score_exact
+    from openjev.engine.fused import apply_fused, remove_fused
+    from openjev.engine.kernels import compile_pointwise, kernel_path, measure_matmul_peak, model_flops, path_label
+    from openjev.engine.warmup import warm_up
     from serve_transformers import length_groups
 
     res: dict = {"kind": "openjev-embedded-gpu-variants", "made_by": "benchmarks/experiments/embedded_gpu_variants.py",
@@ -218,7 +218,7 @@ def main() -> int:
             if is_exact(v):
                 fn = {"exact": lambda: exact_loop(clf, rows), "exact_nocache": lambda: exact_loop(clf, rows, False),
                       "exact_async": lambda: score_exact(clf, rows)}.get(v)
-                if fn is None:  # app/_classifier.py's threaded exact path
+                if fn is None:  # openjev/engine/classifier.py's threaded exact path
                     n_threads = int(v.removeprefix("exact_threads"))
 
                     def fn():

@@ -7,8 +7,8 @@ import logging
 import os
 import time
 
-from _classifier import score_exact, score_padded
-from _kernels import compile_pointwise, kernel_path, warm_fla_shapes
+from openjev.engine.classifier import score_exact, score_padded
+from openjev.engine.kernels import compile_pointwise, kernel_path, warm_fla_shapes
 
 log = logging.getLogger("openjev.kernels")
 
@@ -47,7 +47,7 @@ WARM_TOKENS_ENV = "OPENJEV_WARM_TOKENS"
 
 
 def prepare_serving(clf, batching: str, max_rows: int = 16, max_tokens: int | None = None) -> dict:
-    """What the embedded server does after loading: on a GPU, the fused kernels of app/_fused.py
+    """What the embedded server does after loading: on a GPU, the fused kernels of openjev/engine/fused.py
     where they are bitwise Transformers' modules (OPENJEV_FUSED=off keeps none) or, instead,
     torch.compile of the norm/MLP modules (OPENJEV_COMPILE=1); fla autotune warm-up for forwards
     of up to `max_rows` rows and `max_tokens` padded tokens (default $OPENJEV_WARM_TOKENS or
@@ -56,7 +56,7 @@ def prepare_serving(clf, batching: str, max_rows: int = 16, max_tokens: int | No
     if os.environ.get("OPENJEV_COMPILE") == "1" and clf.device != "cpu":
         compiled = compile_pointwise(clf.model)
     else:
-        from _fused import apply_fused
+        from openjev.engine.fused import apply_fused
 
         apply_fused(clf.model, clf.device)
     tokens = max_tokens or int(os.environ.get(WARM_TOKENS_ENV) or 16384)

@@ -19,8 +19,6 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # lets scripts import sglang_openjev without installing it
-    sys.path.insert(0, str(REPO_ROOT))
 
 HF_SOURCE_PATH = REPO_ROOT / "HF_SOURCE.json"
 DEFAULT_ROOT = "~/storage/sglang-openjev-v100"

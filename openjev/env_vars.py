@@ -1,6 +1,6 @@
 """Every OPENJEV_* environment variable the bundle reads, in one typed table.
 
-V100.md's section "Environment variables" is generated from it (`python3 app/_env_vars.py`
+V100.md's section "Environment variables" is generated from it (`python -m openjev.env_vars`
 prints the table; tests/test_env_vars.py fails when the code reads a variable this table lacks,
 when the table names one nothing reads, or when V100.md's copy differs)."""
 

@@ -8,7 +8,7 @@ backend can be checked against the reference bit for bit where the arithmetic al
   padded  rows of one scheduling step right-padded into one batch with an attention mask.
           Faster on a GPU. The full-attention layers attend row by row, each row unpadded,
           through the same SDPA call the exact forward makes (`rowwise_attention`), and cuBLAS
-          runs without split-K (app/_kernels.py configure_backends), so on a GPU a padded
+          runs without split-K (openjev/engine/kernels.py configure_backends), so on a GPU a padded
           forward repeats the exact forward's arithmetic: bitwise equal on the H200
           (results_h200/embedded_gpu/call9-rowwise). On a CPU the PyTorch GDN fallback is not
           batch-invariant, so the last bits differ and the agreement tolerance applies.
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import LABELS, UserError, sha256_file
+from openjev.common import LABELS, UserError, sha256_file
 from sglang_openjev import weights
 from sglang_openjev.contract import check_label_order
 
@@ -51,7 +51,7 @@ class Classifier:
     vocab_size: int
     pad_token_id: int | None
     name: str
-    kernels: dict | None = None  # what the forward runs (app/_kernels.py kernel_path)
+    kernels: dict | None = None  # what the forward runs (openjev/engine/kernels.py kernel_path)
 
 
 def resolve_device(device: str) -> str:
@@ -99,7 +99,7 @@ def load_classifier(path: str | Path, device: str = "auto", dtype: str = "auto")
         raise UserError(f"{path}: {exc}") from None
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    from _kernels import kernel_path, select_kernels
+    from openjev.engine.kernels import kernel_path, select_kernels
 
     select_kernels(device, config)  # before Transformers imports the Qwen3.5 modeling module
     duplicated = weights.duplicated_names(weights.checkpoint_weight_files(path))
@@ -210,7 +210,7 @@ def rowwise_attention() -> str:
     an exact forward was the first full-attention layer (benchmarks/experiments/embedded_gpu_divergence.py,
     results_h200/embedded_gpu/call8-blas). Padding positions get zeros; with right padding no real
     token reads them. OPENJEV_PADDED_ATTENTION=masked keeps Transformers' masked call."""
-    from _kernels import padded_attention_mode
+    from openjev.engine.kernels import padded_attention_mode
 
     mode = padded_attention_mode()
     if mode != "rowwise":

@@ -1,8 +1,8 @@
 """The project's own GPU kernels and their CPU references.
 
-``kernels.dynamic_paged``: TileLang ragged causal prefill over a paged KV cache with batch,
+``openjev.paged.dynamic_paged``: TileLang ragged causal prefill over a paged KV cache with batch,
 physical page count and block-table width as runtime dimensions (TileLang is imported lazily,
-so this package imports on CPU-only machines). ``kernels.reference``: the dense reference and
+so this package imports on CPU-only machines). ``openjev.paged.reference``: the dense reference and
 the test-case generator used by ``app/check_dynamic_paged.py`` and the tests.
 """
 

@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import UserError
+from openjev.common import UserError
 
 log = logging.getLogger("openjev.kernels")
 PADDED_ATTENTION_ENV = "OPENJEV_PADDED_ATTENTION"  # rowwise (default) | masked (Transformers' masked SDPA)
@@ -133,14 +133,14 @@ def batch_invariant_blas() -> dict:
     batch-invariant. Without a workspace cuBLAS cannot split K and the down projection became
     batch-invariant too; padded passes took 3.16 s for 128 rows with it (call 8) and 3.15 s without
     (call 7), on two lent machines: not a same-machine comparison. PyTorch reads the variable once,
-    at its first cuBLAS call, so this runs when app/_kernels.py is imported (load_classifier imports
+    at its first cuBLAS call, so this runs when openjev/engine/kernels.py is imported (load_classifier imports
     it before any GPU work); if CUDA was already initialised then, a cuBLAS handle made before may
     keep its workspace, and the record says so."""
     out = _default_env(BLAS_WORKSPACE_ENV, BLAS_WORKSPACE, "cublas_workspace_config",
                        "no split-K: GEMM rows independent of the batch (padded == exact arithmetic)")
     torch = sys.modules.get("torch")
     if out["set_by"] == "openjev" and torch is not None and torch.cuda.is_initialized():
-        out["warning"] = "CUDA was initialised before app/_kernels.py was imported: cuBLAS may already have a workspace"
+        out["warning"] = "CUDA was initialised before openjev/engine/kernels.py was imported: cuBLAS may already have a workspace"
     return out
 
 
@@ -161,11 +161,11 @@ def shared_autotuning() -> dict:
     choices cached, the first process to tune a kernel (its key: head counts and dims, not the
     sequence length) writes them under Triton's cache directory (TRITON_CACHE_DIR, default
     ~/.triton/cache) and the others read them. Triton reads the variable when fla defines its
-    kernels, so this runs when app/_kernels.py is imported, before fla is."""
+    kernels, so this runs when openjev/engine/kernels.py is imported, before fla is."""
     out = _default_env(AUTOTUNE_CACHE_ENV, "1", "triton_cache_autotuning",
                        "fla's autotuned configurations shared by every process (same kernels, same bits)")
     if out["set_by"] == "openjev" and "fla" in sys.modules:
-        out["warning"] = "fla was imported before app/_kernels.py: its autotuners may not cache"
+        out["warning"] = "fla was imported before openjev/engine/kernels.py: its autotuners may not cache"
     return out
 
 
@@ -277,7 +277,7 @@ def pin_autotuners(prefix: str, path: Path, tune, meta: dict) -> dict:
             chosen = {name: _config_dict(next(iter(at.cache.values()))) for name, at in sorted(tuners.items())
                       if at.cache}
             data = {"kind": FLA_CONFIGS_KIND, "made_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "made_by": "app/_kernels.py pin_autotuners", **meta,
+                    "made_by": "openjev/engine/kernels.py pin_autotuners", **meta,
                     "tune_seconds": round(time.perf_counter() - t0, 3), "kernels": chosen}
             tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
             tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
@@ -477,7 +477,7 @@ def kernel_path(model) -> dict:
     info["fla_configs"] = pins_record()
     info["padded_attention"] = padded_attention_mode()
     info["sdp_backends"] = sdp_backends()
-    from _fused import fused_record
+    from openjev.engine.fused import fused_record
 
     info["fused"] = fused_record(model)
     info["compiled_modules"] = sorted({type(m).__name__ for m in model.modules() if getattr(m, "_openjev_compiled", False)})

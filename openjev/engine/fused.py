@@ -42,7 +42,7 @@ import os
 import sys
 import time
 
-from _common import UserError
+from openjev.common import UserError
 
 log = logging.getLogger("openjev.fused")
 
