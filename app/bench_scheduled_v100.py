@@ -40,10 +40,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from openjev.common import PRODUCTION_PORT, UserError, atomic_write_json, run_main, utc_now  # noqa: E402
-import report_bench_history as report  # noqa: E402
-import tune_sglang_v100 as tune  # noqa: E402
+from openjev import history
+from openjev.common import PRODUCTION_PORT, UserError, atomic_write_json, run_main, utc_now
+from openjev.tune.processes import child_preexec
+from openjev.tune.profiles import ENV_KEY_RE, RESERVED_ENV, make_profile, parse_set
 
 EXIT_LOCKED = 75
 TUNE_SCRIPT = Path(__file__).resolve().parent / "tune_sglang_v100.py"
@@ -71,10 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-wait", type=float, default=3600.0, help="give up when the GPU is not idle after this (default: 3600)")
     p.add_argument("--start-timeout", type=float, default=1800.0, help="seconds for /health 200 (default: 1800)")
     p.add_argument("--stop-timeout", type=float, default=60.0, help="SIGTERM -> SIGKILL delay (default: 60)")
-    p.add_argument("--baseline-runs", type=int, default=report.DEFAULTS["baseline_runs"], help="verdict: N (default: 5)")
-    p.add_argument("--mad-k", type=float, default=report.DEFAULTS["mad_k"], help="verdict: k (default: 4)")
-    p.add_argument("--rel-floor", type=float, default=report.DEFAULTS["rel_floor"], help="verdict: floor (default: 0.10)")
-    p.add_argument("--max-dp-e", type=float, default=report.DEFAULTS["max_dp_e"], help="verdict: |dp_e| bound (default: 0.02)")
+    p.add_argument("--baseline-runs", type=int, default=history.DEFAULTS["baseline_runs"], help="verdict: N (default: 5)")
+    p.add_argument("--mad-k", type=float, default=history.DEFAULTS["mad_k"], help="verdict: k (default: 4)")
+    p.add_argument("--rel-floor", type=float, default=history.DEFAULTS["rel_floor"], help="verdict: floor (default: 0.10)")
+    p.add_argument("--max-dp-e", type=float, default=history.DEFAULTS["max_dp_e"], help="verdict: |dp_e| bound (default: 0.02)")
     return p
 
 
@@ -82,10 +82,10 @@ def server_profile(args: argparse.Namespace) -> dict:
     env = {}
     for kv in args.server_env:
         k, sep, v = kv.partition("=")
-        if not sep or not tune.ENV_KEY_RE.match(k) or k in tune.RESERVED_ENV:
-            raise UserError(f"--server-env {kv!r}: expected KEY=VAL (KEY upper case, not {', '.join(tune.RESERVED_ENV)})")
+        if not sep or not ENV_KEY_RE.match(k) or k in RESERVED_ENV:
+            raise UserError(f"--server-env {kv!r}: expected KEY=VAL (KEY upper case, not {', '.join(RESERVED_ENV)})")
         env[k] = v
-    prof = tune.make_profile(report.PROFILE_NAME, args.schedule_policy, args.max_running_requests, args.server_arg, env)
+    prof = make_profile(history.PROFILE_NAME, args.schedule_policy, args.max_running_requests, args.server_arg, env)
     return prof.to_json()
 
 
@@ -110,7 +110,7 @@ def main() -> int:
         raise UserError(f"--port {args.port}: not a TCP port")
     if not args.sets:
         raise UserError("give at least one --set NAME=INPUTS,TOKENS,REFDIR")
-    sets = [tune.parse_set(s) for s in args.sets]
+    sets = [parse_set(s) for s in args.sets]
     if len({s.name for s in sets}) != len(sets):
         raise UserError("--set names must be distinct")
     if not args.checkpoint.is_dir():
@@ -144,7 +144,7 @@ def main() -> int:
         cmd += ["--set", s]
     with open(run_dir / "tune.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                preexec_fn=tune.child_preexec(signal.SIGTERM, os.getpid()))
+                                preexec_fn=child_preexec(signal.SIGTERM, os.getpid()))
         try:
             rc = proc.wait()
         except KeyboardInterrupt:
@@ -153,9 +153,9 @@ def main() -> int:
     record.update(phase="done", finished=utc_now(), complete=True, tune_exit=rc)
     atomic_write_json(run_dir / "run.json", record)
 
-    runs = report.load_history(args.history)
+    runs = history.load_history(args.history)
     idx = [r["name"] for r in runs].index(run_dir.name)
-    v = report.verdict(runs, idx, baseline_runs=args.baseline_runs, mad_k=args.mad_k, rel_floor=args.rel_floor,
+    v = history.verdict(runs, idx, baseline_runs=args.baseline_runs, mad_k=args.mad_k, rel_floor=args.rel_floor,
                        max_dp_e=args.max_dp_e)
     atomic_write_json(run_dir / "verdict.json", v)
     meds = ", ".join(f"{k} {h['median_pass_s']:.3f} s" for k, h in runs[idx]["measurements"].items()
@@ -168,7 +168,7 @@ def main() -> int:
         print(f"  - {r}")
     if rc:
         print(f"  tuner log: {run_dir / 'tune.log'}")
-    return 1 if (rc or not runs[idx]["valid"]) else report.EXIT_REGRESSION
+    return 1 if (rc or not runs[idx]["valid"]) else history.EXIT_REGRESSION
 
 
 if __name__ == "__main__":

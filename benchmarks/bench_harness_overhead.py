@@ -39,10 +39,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 APP = REPO / "app"
-sys.path.insert(0, str(APP))
 
-import bench_classify_v100 as bench  # noqa: E402
-from openjev.common import UserError, atomic_write_json, environment_receipt, run_main, utc_now  # noqa: E402
+from openjev.bench import agreement as bench_agreement
+from openjev.bench import client as bench_client
+from openjev.bench import receipt as bench_receipt
+from openjev.common import UserError, atomic_write_json, environment_receipt, run_main, utc_now
 
 KIND = "openjev-harness-overhead"
 DEFAULT_OUT = REPO / "benchmarks" / "results_cpu" / "harness_overhead_cpu.json"
@@ -141,18 +142,18 @@ def start_server(model: Path | None, log: Path) -> tuple[subprocess.Popen, str]:
 
 def trivial_pass(url: str, workers: int, n: int) -> dict:
     """n one-row, one-token requests through the bench's own pass loop."""
-    client = bench.Client(url, timeout=60, retries=0)
+    client = bench_client.Client(url, timeout=60, retries=0)
     body = json.dumps({"input_ids": [[5]]}, separators=(",", ":")).encode()
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="overhead") as pool:
         k = min(20, n)
-        warm = bench.run_pass(client, pool, [body] * k, [(i, i + 1) for i in range(k)], k, 0, "initial", "warmup")
+        warm = bench_client.run_pass(client, pool, [body] * k, [(i, i + 1) for i in range(k)], k, 0, "initial", "warmup")
         if warm.error:
             raise UserError(f"warmup failed: {warm.error}")
-        res = bench.run_pass(client, pool, [body] * n, [(i, i + 1) for i in range(n)], n, 1, "measured",
+        res = bench_client.run_pass(client, pool, [body] * n, [(i, i + 1) for i in range(n)], n, 1, "measured",
                              f"trivial x{workers}")
     if res.error:
         raise UserError(f"trivial pass failed: {res.error}")
-    lat = bench.percentile_summary(res.latencies_s)
+    lat = bench_agreement.percentile_summary(res.latencies_s)
     return {"workers": workers, "requests": n, "rows_per_request": 1, "tokens_per_row": 1,
             "wall_s": res.wall_s, "requests_per_s": n / res.wall_s,
             "client_cpu_s": res.client_cpu_s, "client_cpu_per_request_ms": 1000 * res.client_cpu_s / n,
@@ -228,7 +229,7 @@ def main() -> int:
     if min(args.null_requests, args.trivial_requests, args.normal_rows, args.normal_repetitions, *workers) < 1:
         raise UserError("--null-requests, --trivial-requests, --normal-rows, --normal-repetitions and every "
                         "--trivial-workers value must be >= 1")
-    cpu_model = bench.cpu_model_name()
+    cpu_model = bench_receipt.cpu_model_name()
     label = args.machine_label or f"cpu: {platform.platform()}" + (f" ({cpu_model})" if cpu_model else "")
     load_before = os.getloadavg()
     started = utc_now()
@@ -254,7 +255,7 @@ def main() -> int:
             if url is None:
                 print("starting the embedded backend ...", file=sys.stderr)
                 server, url = start_server(model, tmp / "server.log")
-            info = bench.Client(url, 30, 2).get_json("/server_info")
+            info = bench_client.Client(url, 30, 2).get_json("/server_info")
             trivial = []
             for w in workers:
                 print(f"trivial pass: {args.trivial_requests} requests, {w} worker(s) ...", file=sys.stderr)

@@ -16,7 +16,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -24,10 +23,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
-
-import bench_classify_v100 as bench
 import validate_receipts
 from conftest import APP, PY, REPO, SAMPLE, error_lines, free_port, run_script, start_server
+
+from openjev import common as common
+from openjev import gpu as gpu_owner
+from openjev.bench import agreement as bench_agreement
+from openjev.bench import client as bench_client
+from openjev.bench import receipt as bench_receipt
 
 MINI_IDS = ["g1-a", "g1-b", "g1-c", "g2-a", "g2-b", "g2-c", "g2-d", "g4-a", "g4-b", "s4", "x1-a", "x1-b"]
 TRUNCATE = 52
@@ -87,7 +90,7 @@ def doctor_reference(src: Path, dest: Path, edit, update_hash: bool = True) -> P
 
 def groups_of(mini) -> tuple[list[list[int]], list[str], np.ndarray]:
     inputs = [json.loads(l) for l in mini["inputs"].read_text().splitlines()]
-    groups, _ = bench.option_groups(inputs)
+    groups, _ = bench_agreement.option_groups(inputs)
     ref = np.load(mini["reference"] / "reference.npy")
     return groups, [r["id"] for r in inputs], ref
 
@@ -169,7 +172,7 @@ def test_cold_cache_flushes_before_every_pass(server, mini, tmp_path):
 
 def test_injected_disagreement_fails_the_audit(server, mini, tmp_path):
     groups, ids, ref = groups_of(mini)
-    pe = bench.entailment_prob(ref)
+    pe = common.entailment_prob(ref)
     g = groups[-1]
     winner = max(g, key=lambda i: pe[i])
     loser = next(i for i in g if i != winner)
@@ -198,7 +201,7 @@ def test_injected_disagreement_fails_the_audit(server, mini, tmp_path):
 
 def test_exact_tie_is_recorded_as_a_tie_not_a_failure(server, mini, tmp_path):
     groups, ids, ref = groups_of(mini)
-    pe = bench.entailment_prob(ref)
+    pe = common.entailment_prob(ref)
     picks = [(g, max(g, key=lambda i: pe[i])) for g in groups]
     usable = [(g, w) for g, w in picks if w != g[0]]
     assert usable, "every group's winner is its first row; the tie case needs another sample subset"
@@ -397,8 +400,8 @@ def test_exclusive_gpu_without_nvml_is_invalid_before_sending(server, mini, tmp_
 
 @pytest.mark.skipif(not NVML, reason=f"needs an NVIDIA driver (pynvml.nvmlInit failed: {NVML_WHY})")
 def test_nvml_monitor_samples_a_real_gpu():
-    me = bench.proc_id(os.getpid())
-    mon = bench.ExclusivityMonitor(0, me, 0.1)
+    me = gpu_owner.proc_id(os.getpid())
+    mon = gpu_owner.ExclusivityMonitor(0, me, 0.1)
     assert mon.gpu is not None and mon.gpu.info["name"]
     mon.start()
     time.sleep(0.5)
@@ -441,52 +444,52 @@ def process_tree():
         pass
 
 
-def sample_now(server_pid: int, gpu_pids) -> bench.Sample:
-    now, desc = bench.read_tree(server_pid)
-    return bench.Sample(0.0, server_now=now, descendants=desc, gpu=bench.identify(gpu_pids))
+def sample_now(server_pid: int, gpu_pids) -> gpu_owner.Sample:
+    now, desc = gpu_owner.read_tree(server_pid)
+    return gpu_owner.Sample(0.0, server_now=now, descendants=desc, gpu=gpu_owner.identify(gpu_pids))
 
 
 def test_exclusivity_allowed_set_and_competitor(process_tree):
     parent, child_pid, competitor = process_tree
-    server = bench.proc_id(parent.pid)
-    child = bench.proc_id(child_pid)
-    now, desc = bench.read_tree(parent.pid)
+    server = gpu_owner.proc_id(parent.pid)
+    child = gpu_owner.proc_id(child_pid)
+    now, desc = gpu_owner.read_tree(parent.pid)
     assert now == server and child in desc
-    assert bench.allowed_processes(server, now, desc) == {server, child}
+    assert gpu_owner.allowed_processes(server, now, desc) == {server, child}
     # only the server and its child on the GPU: exclusive (the child alone is enough to show the server is there)
-    assert bench.sample_violations(server, sample_now(parent.pid, [parent.pid, child_pid])) == []
-    assert bench.sample_violations(server, sample_now(parent.pid, [child_pid])) == []
+    assert gpu_owner.sample_violations(server, sample_now(parent.pid, [parent.pid, child_pid])) == []
+    assert gpu_owner.sample_violations(server, sample_now(parent.pid, [child_pid])) == []
     # nobody on the GPU, not even the server: wrong index / another device / PID namespace -> nothing is shown
-    v = bench.sample_violations(server, sample_now(parent.pid, []))
+    v = gpu_owner.sample_violations(server, sample_now(parent.pid, []))
     assert len(v) == 1 and "neither the server" in v[0]
-    assert bench.sample_violations(server, sample_now(parent.pid, []), require_server_on_gpu=False) == []
+    assert gpu_owner.sample_violations(server, sample_now(parent.pid, []), require_server_on_gpu=False) == []
     # a competitor appears
-    v = bench.sample_violations(server, sample_now(parent.pid, [child_pid, competitor.pid]))
+    v = gpu_owner.sample_violations(server, sample_now(parent.pid, [child_pid, competitor.pid]))
     assert len(v) == 1 and f"competitor pid {competitor.pid}" in v[0]
     # a GPU pid nobody can see (exited, or another PID namespace) is not given the benefit of the doubt
     dead = subprocess.Popen([PY, "-c", "pass"])
     dead.wait()
-    v = bench.sample_violations(server, sample_now(parent.pid, [parent.pid, dead.pid]))
+    v = gpu_owner.sample_violations(server, sample_now(parent.pid, [parent.pid, dead.pid]))
     assert len(v) == 1 and "cannot be identified" in v[0]
 
 
 def test_exclusivity_reused_pid_and_vanished_server(process_tree):
     parent, child_pid, _ = process_tree
-    server = bench.proc_id(parent.pid)
+    server = gpu_owner.proc_id(parent.pid)
     # the PID is live but its start time is not the one captured at start: a reused PID, not our server
     reused = (parent.pid, server[1] - 5.0)
-    v = bench.sample_violations(reused, sample_now(parent.pid, [parent.pid]))
+    v = gpu_owner.sample_violations(reused, sample_now(parent.pid, [parent.pid]))
     assert len(v) == 1 and "PID was reused" in v[0]
-    assert bench.allowed_processes(reused, server, set()) == frozenset()
+    assert gpu_owner.allowed_processes(reused, server, set()) == frozenset()
     # the server dies
     parent.kill()
     parent.wait()
     s = sample_now(parent.pid, [])
     assert s.server_now is None
-    v = bench.sample_violations(server, s)
+    v = gpu_owner.sample_violations(server, s)
     assert len(v) == 1 and "is gone" in v[0]
     # a failed NVML sample invalidates on its own
-    assert "NVML sample failed" in bench.sample_violations(server, bench.Sample(0.0, error="boom"))[0]
+    assert "NVML sample failed" in gpu_owner.sample_violations(server, gpu_owner.Sample(0.0, error="boom"))[0]
 
 
 class ProcessListGpu:
@@ -508,7 +511,7 @@ class ProcessListGpu:
 def test_exclusivity_monitor_records_the_evidence(process_tree):
     parent, child_pid, competitor = process_tree
     gpu = ProcessListGpu([child_pid])
-    mon = bench.ExclusivityMonitor(0, bench.proc_id(parent.pid), 0.05, gpu=gpu)
+    mon = gpu_owner.ExclusivityMonitor(0, gpu_owner.proc_id(parent.pid), 0.05, gpu=gpu)
     assert mon.take() == []
     mon.start()
     time.sleep(0.3)
@@ -521,14 +524,14 @@ def test_exclusivity_monitor_records_the_evidence(process_tree):
     assert 1 <= len(rep["violations"]) <= 10 and rep["interval_s"] == 0.05
     seen = {p["pid"]: p["allowed"] for p in rep["gpu_processes_seen"]}
     assert seen == {child_pid: True, competitor.pid: False}
-    assert rep["server"] == {"pid": parent.pid, "create_time": bench.proc_id(parent.pid)[1]}
+    assert rep["server"] == {"pid": parent.pid, "create_time": gpu_owner.proc_id(parent.pid)[1]}
 
 
 # ---------------------------------------------------------------- pure functions
 def test_percentiles_and_softmax():
-    s = bench.percentile_summary([1.0, 2.0, 3.0, 4.0])
+    s = bench_agreement.percentile_summary([1.0, 2.0, 3.0, 4.0])
     assert s["p50"] == 2.5 and s["max"] == 4.0 and s["count"] == 4 and s["p99"] == pytest.approx(3.97)
-    assert bench.percentile_summary([])["p50"] is None
+    assert bench_agreement.percentile_summary([])["p50"] is None
     from openjev.common import softmax
 
     p = softmax(np.array([[1000.0, 1000.0, 1000.0], [0.0, 0.0, np.log(2.0)]]))
@@ -538,17 +541,17 @@ def test_percentiles_and_softmax():
 def test_agreement_lists_argmax_changes():
     ref = np.array([[0, 1, 0], [1, 0, 0]], dtype=np.float32)
     cand = np.array([[0, 1, 0], [0, 0, 2]], dtype=np.float32)
-    a = bench.agreement(cand, ref, ["r0", "r1"], full=True)
+    a = bench_agreement.agreement(cand, ref, ["r0", "r1"], full=True)
     assert a["argmax_changes"] == [{"id": "r1", "reference": "contradiction", "candidate": "neutral"}]
     assert a["max_abs_logit_diff"] == 2.0 and not a["bitwise_equal"] and a["worst_rows"][0]["id"] == "r1"
-    assert bench.agreement(ref, ref, ["r0", "r1"])["max_abs_dp_e"] == 0
+    assert bench_agreement.agreement(ref, ref, ["r0", "r1"])["max_abs_dp_e"] == 0
 
 
 def test_option_groups_key_on_premise_and_instruction():
     rows = [{"id": "a", "premise": "P", "instruction": "I"}, {"id": "b", "premise": "P", "instruction": "I"},
             {"id": "c", "premise": "P"}, {"id": "d", "premise": "P", "instruction": None},
             {"id": "e", "premise": "P", "instruction": ""}, {"id": "f", "premise": "Q", "instruction": "I"}]
-    groups, singletons = bench.option_groups(rows)
+    groups, singletons = bench_agreement.option_groups(rows)
     assert groups == [[0, 1], [2, 3]] and singletons == 2  # absent == null; "" is a value of its own
 
 
@@ -556,35 +559,35 @@ def test_audit_rules():
     ids = ["a", "b", "c"]
     g = [[0, 1, 2]]
     pe = lambda *x: np.array(x, dtype=np.float64)  # noqa: E731
-    ok = bench.audit_pass(g, pe(0.1, 0.5, 0.2), pe(0.2, 0.6, 0.1), ids)
+    ok = bench_agreement.audit_pass(g, pe(0.1, 0.5, 0.2), pe(0.2, 0.6, 0.1), ids)
     assert ok["passed"] and ok["failures_count"] == ok["ties_count"] == 0
-    bad = bench.audit_pass(g, pe(0.1, 0.5, 0.2), pe(0.1, 0.2, 0.3), ids)
+    bad = bench_agreement.audit_pass(g, pe(0.1, 0.5, 0.2), pe(0.1, 0.2, 0.3), ids)
     assert not bad["passed"] and bad["failures"][0]["outside_winners"] == ["c"]
     # a candidate tie between the winner and a non-winner fails (position could pick the non-winner)
-    ctie = bench.audit_pass(g, pe(0.1, 0.5, 0.2), pe(0.1, 0.5, 0.5), ids)
+    ctie = bench_agreement.audit_pass(g, pe(0.1, 0.5, 0.2), pe(0.1, 0.5, 0.5), ids)
     assert not ctie["passed"] and ctie["failures"][0]["candidate_choice"] == ["b", "c"]
     # the reference ties a and b exactly; the candidate picks b: a tie, not a failure
-    tie = bench.audit_pass(g, pe(0.5, 0.5, 0.2), pe(0.4, 0.6, 0.1), ids)
+    tie = bench_agreement.audit_pass(g, pe(0.5, 0.5, 0.2), pe(0.4, 0.6, 0.1), ids)
     assert tie["passed"] and tie["ties_count"] == 1 and tie["ties"][0]["candidate_choice"] == "b"
     assert tie["reference_tied_groups"] == 1
     # ... picks a (the reference's first winner): neither; the candidate tying both winners: candidate-tied only
-    assert bench.audit_pass(g, pe(0.5, 0.5, 0.2), pe(0.6, 0.4, 0.1), ids)["ties_count"] == 0
-    both = bench.audit_pass(g, pe(0.5, 0.5, 0.2), pe(0.5, 0.5, 0.1), ids)
+    assert bench_agreement.audit_pass(g, pe(0.5, 0.5, 0.2), pe(0.6, 0.4, 0.1), ids)["ties_count"] == 0
+    both = bench_agreement.audit_pass(g, pe(0.5, 0.5, 0.2), pe(0.5, 0.5, 0.1), ids)
     assert both["passed"] and both["ties_count"] == 0 and both["candidate_tied_groups"] == 1
 
 
 def test_exit_status_precedence_and_helpers():
-    assert bench.decide_exit(False, False, None) == 0 and bench.decide_exit(False, False, True) == 0
-    assert bench.decide_exit(True, True, False) == 2
-    assert bench.decide_exit(False, True, False) == 4
-    assert bench.decide_exit(False, False, False) == 3
-    assert [bench.backoff_s(i) for i in range(5)] == [0.25, 0.5, 1.0, 2.0, 2.0]
-    label = bench.derive_machine_label
+    assert bench_agreement.decide_exit(False, False, None) == 0 and bench_agreement.decide_exit(False, False, True) == 0
+    assert bench_agreement.decide_exit(True, True, False) == 2
+    assert bench_agreement.decide_exit(False, True, False) == 4
+    assert bench_agreement.decide_exit(False, False, False) == 3
+    assert [bench_client.backoff_s(i) for i in range(5)] == [0.25, 0.5, 1.0, 2.0, 2.0]
+    label = bench_receipt.derive_machine_label
     assert label(None, "cuda:0 (Tesla V100-SXM2-32GB, sm_70)", None, True, "Linux", "x") == "Tesla V100-SXM2-32GB"
     assert label(None, "cpu", None, True, "Linux-x", "AMD EPYC") == "cpu: Linux-x (AMD EPYC)"
     assert label(None, "cpu", "NVIDIA H200", True, "Linux", None) == "NVIDIA H200"
     assert label("eva01 V100", "cpu", None, True, "Linux", None) == "eva01 V100"
-    assert bench.out_paths(Path("/r/b.json"))["passes"] == Path("/r/b.passes.npy")
+    assert bench_receipt.out_paths(Path("/r/b.json"))["passes"] == Path("/r/b.passes.npy")
 
 
 # ---------------------------------------------------------------- validate_receipts.py

@@ -21,7 +21,7 @@ import pytest
 
 from conftest import APP, PY, REPO, SAMPLE, error_lines, free_port
 
-import report_bench_history as report
+from openjev import history as bench_history
 
 SCRIPT = APP / "bench_scheduled_v100.py"
 REPORT = APP / "report_bench_history.py"
@@ -90,23 +90,23 @@ def test_two_runs_make_two_entries_and_no_regression(history, fixtures):
     r = run([PY, str(REPORT), "--history", str(history), "--rel-floor", "1.0"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "no regression" in r.stdout and "S/cold median_s" in r.stdout and "S/warm median_s" in r.stdout
-    runs = report.load_history(history)
+    runs = bench_history.load_history(history)
     assert all(x["valid"] for x in runs)
-    assert report.verdict(runs)["baseline"] == names[:1]
+    assert bench_history.verdict(runs)["baseline"] == names[:1]
 
 
 def test_slower_server_setting_is_a_regression(history, fixtures):
     # --torch-threads 32 on a 2-core machine: a real server setting (torch intra-op threads) that
     # oversubscribes the cores; measured here ~5x slower passes (0.10 s -> 0.55 s), far past the band
     r = run(sched_args(history, *fixtures, "--server-arg=--torch-threads=32"))
-    assert r.returncode == report.EXIT_REGRESSION, r.stdout + r.stderr
+    assert r.returncode == bench_history.EXIT_REGRESSION, r.stdout + r.stderr
     assert "REGRESSION" in r.stdout and "median" in r.stdout and "> limit" in r.stdout
     names = runs_of(history)
     assert len(names) == 3
     v = json.loads((history / "runs" / names[-1] / "verdict.json").read_text())
     assert v["regression"] and v["baseline"] == names[:2]
     r = run([PY, str(REPORT), "--history", str(history)])
-    assert r.returncode == report.EXIT_REGRESSION and "REGRESSION" in r.stdout
+    assert r.returncode == bench_history.EXIT_REGRESSION and "REGRESSION" in r.stdout
 
 
 def test_overlapping_start_is_refused_by_the_lock(history, fixtures):
@@ -157,15 +157,15 @@ def test_sigkilled_run_is_incomplete_and_never_a_baseline(history, fixtures, tmp
     rec = json.loads((run_dir / "run.json").read_text())
     assert rec["complete"] is False and rec["finished"] is None
     r = run([PY, str(REPORT), "--history", str(history), "--plot", tmp_path / "h.png"])
-    assert r.returncode == report.EXIT_REGRESSION and "incomplete" in r.stdout
+    assert r.returncode == bench_history.EXIT_REGRESSION and "incomplete" in r.stdout
     assert (tmp_path / "h.png").read_bytes()[:8] == PNG_SIGNATURE
-    runs = report.load_history(history)
+    runs = bench_history.load_history(history)
     killed = next(x for x in runs if x["name"] == receipt)
     assert killed["complete"] is False and killed["valid"] is False
     # a later good run's baseline skips the killed run (and the invalid ones)
     good = next(x for x in runs if x["valid"])
     later = {**good, "name": "zz-later"}
-    v = report.verdict([*runs, later], -1)
+    v = bench_history.verdict([*runs, later], -1)
     assert receipt not in v["baseline"] and v["baseline"]
 
 

@@ -44,7 +44,7 @@ def test_server_cuts_and_a_profile(overlay, sample_tokens, tmp_path):
     whole set); --profile adds torch.profiler tables of one pass."""
     sys.path.insert(0, str(REPO / "app"))
     from openjev.common import read_tokens
-    from serve_transformers import length_groups
+    from openjev.engine.scheduler import length_groups
 
     out = tmp_path / "v"
     proc = variants(overlay, sample_tokens, out, "exact_async,padded_nocache", "--grouping", "dp", "--profile")

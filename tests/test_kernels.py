@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, error_lines, run_py
 
 triton_missing = None
@@ -41,7 +40,7 @@ def test_float64_recurrence_matches_transformers_gated_delta_rule():
 
 
 def test_cpu_load_reports_the_fallback_and_its_reason(overlay):
-    proc = run_py(f"import json; from _classifier import load_classifier; "
+    proc = run_py(f"import json; from openjev.engine.classifier import load_classifier; "
                   f"print(json.dumps(load_classifier({str(overlay)!r}, 'cpu').kernels))")
     assert proc.returncode == 0, proc.stderr
     kp = json.loads(proc.stdout.splitlines()[-1])
@@ -67,7 +66,7 @@ SET_AT_IMPORT = [
 def test_set_at_import_unless_the_operator_chose(overlay, var, ours, theirs, key, backend, words):
     """Importing _kernels sets the variable before torch or fla can read it; an operator's value is
     kept; both are recorded in kernel_path and in the selection's backends."""
-    code = ("import json, os; import _kernels; from _classifier import load_classifier; "
+    code = ("import json, os; from openjev.engine import kernels as _kernels; from openjev.engine.classifier import load_classifier; "
             f"k = load_classifier({str(overlay)!r}, 'cpu').kernels; "
             f"print(json.dumps([os.environ[{var!r}], k[{key!r}], k['selection']['backends'][{backend!r}]]))")
     env = {k: v for k, v in os.environ.items() if k != var}
@@ -82,7 +81,7 @@ def test_set_at_import_unless_the_operator_chose(overlay, var, ours, theirs, key
     assert env_value == recorded == theirs and record == {key: theirs, "set_by": "environment"}
 
 def test_masked_padded_attention_is_recorded(overlay):
-    proc = run_py(f"import json; from _classifier import load_classifier; "
+    proc = run_py(f"import json; from openjev.engine.classifier import load_classifier; "
                   f"print(json.dumps(load_classifier({str(overlay)!r}, 'cpu').kernels['padded_attention']))",
                   {"OPENJEV_PADDED_ATTENTION": "masked"})
     assert proc.returncode == 0, proc.stderr
@@ -90,7 +89,7 @@ def test_masked_padded_attention_is_recorded(overlay):
 
 
 def test_unknown_kernel_mode_is_a_clear_error(overlay):
-    proc = run_py(f"from _common import run_main\nfrom _classifier import load_classifier\n"
+    proc = run_py(f"from openjev.common import run_main\nfrom openjev.engine.classifier import load_classifier\n"
                   f"run_main(lambda: load_classifier({str(overlay)!r}, 'cpu') and 0)", {"OPENJEV_KERNELS": "fast"})
     assert proc.returncode == 1
     assert "OPENJEV_KERNELS='fast'" in proc.stderr and "auto, torch" in proc.stderr

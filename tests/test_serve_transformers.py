@@ -6,16 +6,16 @@ import json
 import math
 import signal
 import socket
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import requests
-
 import strict_loading_cases
-from conftest import REPO, error_lines, free_port, run_script, start_server, token_rows, wait_healthy
+from conftest import error_lines, free_port, run_script, start_server, token_rows
+
+from openjev import http_front as http_front
 
 LABELS = ["contradiction", "entailment", "neutral"]
 
@@ -209,8 +209,7 @@ def test_padded_batching_agrees_within_float32_tolerance(overlay, sample_tokens,
         info = requests.get(f"{srv.url}/server_info").json()
     finally:
         srv.stop()
-    sys.path.insert(0, str(REPO / "app"))
-    from serve_transformers import length_groups
+    from openjev.engine.scheduler import length_groups
 
     groups = length_groups([len(r) for r in rows], 8)  # one step: the whole request fits the budget
     forwards, padded = len(groups), sum(max(len(rows[i]) for i in g) * len(g) for g in groups)
@@ -238,8 +237,8 @@ def test_sigterm_stops_gracefully(overlay, tmp_path):
 def test_embedded_loader_refuses_the_corrupted_checkpoints(tiny_model, tmp_path, case):
     """The five checkpoints SGLang's loader refuses (tests/test_sglang_openjev.py) are refused here
     too, with the same words; Transformers alone would warn and initialise at random."""
-    from openjev.engine.classifier import load_classifier
     from openjev.common import UserError
+    from openjev.engine.classifier import load_classifier
 
     expect = strict_loading_cases.write_case(tiny_model["checkpoint"], tmp_path / case, case)
     with pytest.raises(UserError) as err:
@@ -253,8 +252,9 @@ def test_documented_ignored_tensors_still_load(tiny_model, tmp_path):
     import shutil
 
     import torch
-    from openjev.engine.classifier import load_classifier
     from safetensors.torch import load_file, save_file
+
+    from openjev.engine.classifier import load_classifier
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_model["checkpoint"], ckpt)
@@ -347,7 +347,5 @@ def test_a_response_leaves_the_backend_in_one_write():
     the gateway with headers and no body: the client got IncompleteRead, which HAProxy cannot
     retry (CI, test_replica_crash_fails_no_request_and_the_replica_rejoins). uvicorn alone writes
     each response in pieces; the backend's protocol writes each response once."""
-    import serve_transformers
-
     assert all(n >= 2 for n in _server_writes_per_response(None))  # the defect: several writes
-    assert _server_writes_per_response(serve_transformers.coalescing_h11_protocol()) == [1, 1, 1]
+    assert _server_writes_per_response(http_front.coalescing_h11_protocol()) == [1, 1, 1]

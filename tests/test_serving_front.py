@@ -13,18 +13,17 @@ import json
 import os
 import re
 import socket
-import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import psutil
 import pytest
 import requests
+from conftest import start_server, token_rows
 
-from conftest import APP, REPO, start_server, token_rows
+from openjev import http_front as http_front
+from openjev.engine import scheduler as engine_scheduler
 
 LABELS = ["contradiction", "entailment", "neutral"]
 LONG = 8191  # the longest input at the default 8192 context
@@ -150,14 +149,12 @@ def test_unexpected_exception_is_a_json_500_with_request_id(overlay, tmp_path):
     the contract's 500 with a request id, the traceback goes to the log, the error is counted."""
     import logging
 
+    import serve_transformers as st
     import uvicorn
 
-    sys.path.insert(0, str(APP))
-    import serve_transformers as st
-
     args = st.build_parser().parse_args([str(overlay), "0"])
-    engine = st.Engine(args, state="ready")  # no model loaded: every scoring call fails unexpectedly
-    app = st.create_app(engine)
+    engine = engine_scheduler.Engine(args, state="ready")  # no model loaded: every scoring call fails unexpectedly
+    app = http_front.create_app(engine)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -398,52 +395,49 @@ def test_metrics_in_prometheus_text_format(front, sample_tokens):
 
 # ---------------------------------------------------------------- the scheduler's pure parts
 def _scheduler():
-    sys.path.insert(0, str(APP))
-    import serve_transformers as st
-
-    return st
+    return engine_scheduler
 
 
 def test_plan_step_round_robin_within_the_token_budget():
     st = _scheduler()
-    mk = lambda rows: st.Job(rows, None, None)  # noqa: E731 - loop/future unused by the planner
+    mk = lambda rows: engine_scheduler.Job(rows, None, None)  # noqa: E731 - loop/future unused by the planner
     huge, small = mk([[1] * 8000] * 5), mk([[2] * 10])
-    first = st.plan_step([huge, small], 16384)
+    first = engine_scheduler.plan_step([huge, small], 16384)
     assert [(j is huge, i) for j, i in first] == [(True, 0), (False, 0), (True, 1)]  # the small one rides along
-    assert st.plan_step([huge, small], 16384) == [(huge, 2), (huge, 3)]
-    assert st.plan_step([huge, small], 16384) == [(huge, 4)]
-    assert st.plan_step([huge, small], 16384) == []
+    assert engine_scheduler.plan_step([huge, small], 16384) == [(huge, 2), (huge, 3)]
+    assert engine_scheduler.plan_step([huge, small], 16384) == [(huge, 4)]
+    assert engine_scheduler.plan_step([huge, small], 16384) == []
     alone = mk([[1] * 20000])  # longer than the budget: runs alone
-    assert st.plan_step([alone], 16384) == [(alone, 0)]
+    assert engine_scheduler.plan_step([alone], 16384) == [(alone, 0)]
     cancelled = mk([[1]] * 3)
     cancelled.cancelled = True
-    assert st.plan_step([cancelled], 100) == []
+    assert engine_scheduler.plan_step([cancelled], 100) == []
 
 
 def test_length_groups_and_thread_policy():
     st = _scheduler()
     # sorted 1 2 3 4 5 in runs of at most 2: [1] [2 3] [4 5] and [1 2] [3 4] [5] cost the same
     # (3 forwards, 17 padded tokens); the tie keeps the earlier cut
-    assert st.length_groups([5, 1, 3, 2, 4], 2) == [[1], [3, 2], [4, 0]]
+    assert engine_scheduler.length_groups([5, 1, 3, 2, 4], 2) == [[1], [3, 2], [4, 0]]
     # short and long rows are not padded together when a forward costs less than the padding
     short_long = [100] * 8 + [1000] * 8
-    assert st.length_groups(short_long, 16) == [list(range(8)), list(range(8, 16))]
-    assert st.length_groups(short_long, 16, forward_cost=10**6) == [list(range(16))]  # fewest forwards
+    assert engine_scheduler.length_groups(short_long, 16) == [list(range(8)), list(range(8, 16))]
+    assert engine_scheduler.length_groups(short_long, 16, forward_cost=10**6) == [list(range(16))]  # fewest forwards
     import random
 
     rng = random.Random(14)
     for _ in range(300):
         lengths = [rng.randint(1, 1500) for _ in range(rng.randint(1, 70))]
         rows = rng.randint(1, 17)
-        groups = st.length_groups(lengths, rows)
+        groups = engine_scheduler.length_groups(lengths, rows)
         flat = [i for g in groups for i in g]
         assert sorted(flat) == list(range(len(lengths))) and all(1 <= len(g) <= rows for g in groups)
         assert [lengths[i] for i in flat] == sorted(lengths)  # consecutive runs of the sorted rows
         fixed = [sorted(range(len(lengths)), key=lambda i: lengths[i])[s:s + rows] for s in range(0, len(lengths), rows)]
 
         def cost(gs):
-            return sum(max(lengths[i] for i in g) * len(g) + st.FORWARD_COST_TOKENS for g in gs)
+            return sum(max(lengths[i] for i in g) * len(g) + engine_scheduler.FORWARD_COST_TOKENS for g in gs)
 
         assert cost(groups) <= cost(fixed)  # never worse than fixed-size cuts
-    assert st.auto_torch_threads(2, "cpu") == 1 and st.auto_torch_threads(1, "cpu") == 1
-    assert st.auto_torch_threads(16, "cpu") == 15 and st.auto_torch_threads(64, "cuda") == 4
+    assert engine_scheduler.auto_torch_threads(2, "cpu") == 1 and engine_scheduler.auto_torch_threads(1, "cpu") == 1
+    assert engine_scheduler.auto_torch_threads(16, "cpu") == 15 and engine_scheduler.auto_torch_threads(64, "cuda") == 4

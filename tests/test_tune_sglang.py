@@ -13,17 +13,18 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
-
 from conftest import APP, PY, REPO, SAMPLE, error_lines, free_port, tree_digest
 
-import tune_sglang_v100 as tune
 from openjev.common import UserError
+from openjev.tune import processes as tune_processes
+from openjev.tune import profiles as tune_profiles
+from openjev.tune import summary as tune_summary
+from openjev.tune import tuner as tune_tuner
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SCRIPT = APP / "tune_sglang_v100.py"
@@ -32,7 +33,7 @@ SCRIPT = APP / "tune_sglang_v100.py"
 # ================================================================ helpers
 def tune_env(tmp_path: Path, **extra) -> dict:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OPENJEV_BACKEND": "transformers", "OPENJEV_PYTHON": PY,
-           "OPENJEV_V100_ROOT": str(tmp_path / "root"), tune.SERVER_CMD_ENV: ""}
+           "OPENJEV_V100_ROOT": str(tmp_path / "root"), tune_tuner.SERVER_CMD_ENV: ""}
     env.update(extra)
     return env
 
@@ -83,13 +84,13 @@ def dead_pid() -> int:
 
 # ================================================================ profiles and sets (pure)
 def test_default_profiles_are_the_runbook_comparison():
-    profiles = tune.parse_profiles(tune.DEFAULT_PROFILES)
+    profiles = tune_profiles.parse_profiles(tune_profiles.DEFAULT_PROFILES)
     assert [(p.name, p.schedule_policy, p.max_running_requests, p.extra_args) for p in profiles] == [
         ("fcfs-8", "fcfs", 8, []), ("fcfs-16", "fcfs", 16, []), ("fcfs-32", "fcfs", 32, []), ("lpm-16", "lpm", 16, [])]
 
 
 def test_profile_syntax_modifiers_names_and_env():
-    a, b, c = tune.parse_profiles("lpm:16+no-radix, fast=fcfs:32+--mem-fraction-static=0.7,lpm:16+MAMBA_FULL_MEMORY_RATIO=0.9")
+    a, b, c = tune_profiles.parse_profiles("lpm:16+no-radix, fast=fcfs:32+--mem-fraction-static=0.7,lpm:16+MAMBA_FULL_MEMORY_RATIO=0.9")
     assert (a.name, a.extra_args, a.env) == ("lpm-16-no-radix", ["--disable-radix-cache"], {})
     assert (b.name, b.schedule_policy, b.max_running_requests, b.extra_args) == ("fast", "fcfs", 32, ["--mem-fraction-static=0.7"])
     assert (c.name, c.env) == ("lpm-16-mamba-full-memory-ratio-0.9", {"MAMBA_FULL_MEMORY_RATIO": "0.9"})
@@ -107,7 +108,7 @@ def test_profile_syntax_modifiers_names_and_env():
 ])
 def test_profile_syntax_errors_are_one_clear_message(spec, words):
     with pytest.raises(UserError) as exc:
-        tune.parse_profiles(spec)
+        tune_profiles.parse_profiles(spec)
     for w in words:
         assert w in str(exc.value)
 
@@ -117,23 +118,23 @@ def test_profiles_from_a_json_file(tmp_path):
     f.write_text(json.dumps([{"name": "base", "schedule_policy": "lpm", "max_running_requests": 16,
                               "extra_args": ["--disable-radix-cache"], "env": {"SGLANG_V100_DYNAMIC_PAGED": "0"}},
                              {"schedule_policy": "fcfs", "max_running_requests": 8}]))
-    a, b = tune.parse_profiles(str(f))
+    a, b = tune_profiles.parse_profiles(str(f))
     assert a.to_json() == {"name": "base", "schedule_policy": "lpm", "max_running_requests": 16,
                            "extra_args": ["--disable-radix-cache"], "env": {"SGLANG_V100_DYNAMIC_PAGED": "0"}}
     assert b.name == "fcfs-8"
     f.write_text(json.dumps([{"schedule_policy": "fcfs", "max_running_requests": 8, "flags": []}]))
     with pytest.raises(UserError, match="unknown key"):
-        tune.parse_profiles(str(f))
+        tune_profiles.parse_profiles(str(f))
     with pytest.raises(UserError, match="not found"):
-        tune.parse_profiles(str(tmp_path / "missing.json"))
+        tune_profiles.parse_profiles(str(tmp_path / "missing.json"))
 
 
 def test_set_syntax(tmp_path):
-    s = tune.parse_set("G=a.jsonl,b.jsonl,refdir")
+    s = tune_profiles.parse_set("G=a.jsonl,b.jsonl,refdir")
     assert s.name == "G" and s.inputs.is_absolute() and s.reference.name == "refdir"
     for bad in ("G=a,b", "a,b,c", "G/x=a,b,c"):
         with pytest.raises(UserError, match="NAME=INPUTS"):
-            tune.parse_set(bad)
+            tune_profiles.parse_set(bad)
 
 
 # ================================================================ idle wait (pure)
@@ -150,7 +151,7 @@ def test_set_syntax(tmp_path):
     ([(3590, 0), (3600, 0)], 3600.0, 60, 3600, "timeout", 10.0),
 ])
 def test_idle_decision(samples, now, idle_s, max_wait, state, idle_for):
-    d = tune.idle_decision(samples, start=0.0, now=now, idle_seconds=idle_s, max_wait=max_wait)
+    d = tune_tuner.idle_decision(samples, start=0.0, now=now, idle_seconds=idle_s, max_wait=max_wait)
     assert (d.state, d.idle_for, d.waited) == (state, idle_for, now)
 
 
@@ -178,7 +179,7 @@ def test_fastest_per_set_mode_and_overall_by_warm_sum():
            _m("fcfs-32", "T", "cold", 27.0), _m("fcfs-32", "T", "warm", 4.0)),
         _p("lpm-16", _m("lpm-16", "G", "cold", 10.0), status="failed", failure="server exited unexpectedly"),
     ]
-    s = tune.summarize(profiles, ["G", "T"], exclusivity_checked=True)
+    s = tune_summary.summarize(profiles, ["G", "T"], exclusivity_checked=True)
     f = s["fastest"]
     assert f["per_set"]["G"]["cold"] == {"profile": "lpm-16", "median_pass_s": 10.0}
     assert f["per_set"]["G"]["warm"]["profile"] == "fcfs-8"
@@ -191,17 +192,17 @@ def test_fastest_per_set_mode_and_overall_by_warm_sum():
     assert any("fcfs-32/G/warm" in x and "exit 2" in x for x in s["checks"]["failures"])
     assert any("group audit failed" in x for x in s["checks"]["failures"])
     assert any(x.startswith("lpm-16: failed") for x in s["checks"]["failures"])
-    table = tune.format_table(s)
+    table = tune_summary.format_table(s)
     assert "fastest overall (sum of warm medians): fcfs-8" in table and "1.000!" in table and "CHECKS FAILED" in table
     assert "nothing was promoted" in table
 
 
 def test_ties_go_to_the_earlier_profile_and_all_ok_summary():
     profiles = [_p(n, _m(n, "S", "cold", 1.0), _m(n, "S", "warm", 0.5)) for n in ("a", "b")]
-    s = tune.summarize(profiles, ["S"], exclusivity_checked=False, exclusivity_note="NVML unavailable: x")
+    s = tune_summary.summarize(profiles, ["S"], exclusivity_checked=False, exclusivity_note="NVML unavailable: x")
     assert s["fastest"]["overall"]["profile"] == "a" and s["fastest"]["per_set"]["S"]["warm"]["profile"] == "a"
     assert s["checks"]["all_passed"]
-    table = tune.format_table(s)
+    table = tune_summary.format_table(s)
     assert "GPU exclusivity: NOT checked (NVML unavailable: x)" in table and "every correctness check held" in table
 
 
@@ -216,9 +217,9 @@ def test_ties_go_to_the_earlier_profile_and_all_ok_summary():
     ({"median_pass_s": None}, "no median"),
 ])
 def test_measurement_checks(change, words):
-    assert tune.measurement_failures(_m("p", "S", "cold", 1.0)) == []
-    assert tune.measurement_failures(_m("p", "S", "cold", 1.0, exclusivity_checked=True, exclusivity_valid=True)) == []
-    bad = tune.measurement_failures(_m("p", "S", "cold", 1.0, **change))
+    assert tune_summary.measurement_failures(_m("p", "S", "cold", 1.0)) == []
+    assert tune_summary.measurement_failures(_m("p", "S", "cold", 1.0, exclusivity_checked=True, exclusivity_valid=True)) == []
+    bad = tune_summary.measurement_failures(_m("p", "S", "cold", 1.0, **change))
     assert bad and words in " ".join(bad)
 
 
@@ -230,22 +231,22 @@ def test_headline_reads_the_bench_receipt_keys():
                         "timing": {"median_wall_s": 2.5, "pairs_per_s": 8.8, "batch_latency_s": {"p50": 0.1, "p99": 0.2}},
                         "agreement_final": {"max_abs_dp_e": 0.01, "argmax_changes_count": 0},
                         "audit": {"failed": False, "failures_total": 0, "ties_total": 1, "groups": 4}}}
-    h = tune.headline(receipt, "warm")
+    h = tune_summary.headline(receipt, "warm")
     assert h["median_pass_s"] == 2.5 and h["pairs_per_s"] == 8.8 and h["audit_passed"] is True
     assert h["exclusivity_valid"] is True and h["outputs"] == {"candidate": "x.candidate.npy", "passes": "x.passes.npy"}
-    assert tune.headline(None, "warm") == {}
+    assert tune_summary.headline(None, "warm") == {}
 
 
 def test_pid_file_formats(tmp_path):
     f = tmp_path / "x.pid"
-    assert tune.read_pidfile(f) is None
+    assert tune_processes.read_pidfile(f) is None
     f.write_text("123\n1700000000.25\n")
-    assert tune.read_pidfile(f) == {"pid": 123, "start_time": 1700000000.25}
+    assert tune_processes.read_pidfile(f) == {"pid": 123, "start_time": 1700000000.25}
     f.write_text(json.dumps({"pid": 5, "start_time": 1.0, "host": "h"}))
-    assert tune.read_pidfile(f)["host"] == "h"
+    assert tune_processes.read_pidfile(f)["host"] == "h"
     f.write_text("garbage")
     with pytest.raises(UserError, match="unreadable"):
-        tune.read_pidfile(f)
+        tune_processes.read_pidfile(f)
 
 
 # ================================================================ refusals (no server starts)
@@ -280,7 +281,7 @@ def test_refusals_before_anything_starts(overlay, sample_tokens, reference, tmp_
     assert r.returncode == 1 and "model directory" in error_lines(r.stderr)[0]
 
     r = run_tune(tune_args(overlay, sample_tokens, reference, tmp_path / "f", port),
-                 tune_env(tmp_path, **{tune.SERVER_CMD_ENV: "/nonexistent/serve"}))
+                 tune_env(tmp_path, **{tune_tuner.SERVER_CMD_ENV: "/nonexistent/serve"}))
     assert r.returncode == 1 and "not found" in error_lines(r.stderr)[0]
     for name in "abcdef":
         assert not (tmp_path / name).exists() and not (tmp_path / f"{name}.pid").exists()
@@ -442,7 +443,7 @@ def test_sigterm_in_the_foreground_during_the_bench(overlay, sample_tokens, refe
 
 def test_stale_pid_files_are_reported_and_replaced(overlay, sample_tokens, reference, tmp_path):
     # a server command that exits at once keeps these runs short; the guard is what is tested
-    env = tune_env(tmp_path, **{tune.SERVER_CMD_ENV: "false"})
+    env = tune_env(tmp_path, **{tune_tuner.SERVER_CMD_ENV: "false"})
     for n, stale in enumerate([{"pid": dead_pid(), "start_time": 1.0},  # process gone
                                {"pid": os.getpid(), "start_time": 12345.0}]):  # pid alive, another start time
         out = tmp_path / f"t{n}"
@@ -532,7 +533,7 @@ def test_a_port_held_by_a_process_of_a_dead_run_is_reported_with_its_run(overlay
     holder = subprocess.Popen(
         [PY, "-c", "import socket,sys,time; s=socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(1); "
                    "print('up', flush=True); time.sleep(120)", str(port)],
-        env={**os.environ, tune.RUN_ENV: "feedc0de", tune.OUT_ENV: str(dead_dir)}, stdout=subprocess.PIPE, text=True)
+        env={**os.environ, tune_processes.RUN_ENV: "feedc0de", tune_processes.OUT_ENV: str(dead_dir)}, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "up"
         env = tune_env(tmp_path)

@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=2, help="timed passes per padded variant after one untimed")
     p.add_argument("--grouping", default="budget", choices=["budget", "dp"],
                    help="budget: consecutive length-sorted rows while rows x longest <= --budget; dp: the embedded "
-                        "server's least-padding cuts over the whole set (serve_transformers.length_groups, "
+                        "server's least-padding cuts over the whole set (openjev.engine.scheduler.length_groups, "
                         "--budget ignored) (default: budget)")
     p.add_argument("--profile", action="store_true",
                    help="after each padded variant, torch.profiler tables of one pass at the largest --rows "
@@ -184,7 +184,7 @@ def main() -> int:
     from openjev.engine.fused import apply_fused, remove_fused
     from openjev.engine.kernels import compile_pointwise, kernel_path, measure_matmul_peak, model_flops, path_label
     from openjev.engine.warmup import warm_up
-    from serve_transformers import length_groups
+    from openjev.engine.scheduler import length_groups
 
     res: dict = {"kind": "openjev-embedded-gpu-variants", "made_by": "benchmarks/experiments/embedded_gpu_variants.py",
                  "made_at": utc_now(),

@@ -1,0 +1,350 @@
+"""The embedded backend's engine: requests become jobs, each step packs rows from every job under a token
+budget into least-padding forwards, on one engine thread."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+from openjev.common import git_revision, utc_now
+from sglang_openjev import contract
+
+log = logging.getLogger("openjev.transformers")
+PARSE_WORKERS = 2  # threads of the HTTP front that parse request bodies (reported in /server_info)
+
+
+@dataclass
+class Job:
+    """One accepted request: its rows, where they stand, and the future its handler awaits."""
+
+    rows: list[list[int]]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    results: object = None          # np.ndarray [n, 3], filled step by step
+    cursor: int = 0                 # next row to schedule
+    done_rows: int = 0
+    cancelled: bool = False
+
+
+@dataclass
+class Counters:
+    requests: int = 0
+    rows: int = 0
+    tokens: int = 0
+    forward_passes: int = 0
+    padded_tokens: int = 0          # tokens the forwards ran, padding included
+    steps: int = 0
+    flush_cache_calls: int = 0
+    errors_4xx: int = 0
+    errors_5xx: int = 0
+    rows_cancelled: int = 0
+    requests_cancelled: int = 0
+    rows_dropped_after_step: int = 0
+
+
+def plan_step(jobs: "list[Job]", token_budget: int) -> list[tuple[Job, int]]:
+    """Pick the rows of one scheduling step: round-robin over the queued requests in arrival order,
+    one row per request per turn, until the step's token budget is spent (a step always takes at
+    least one row, so a row longer than the budget still runs, alone). A large request is thereby
+    split over several steps and a small one queued behind it is served in the next step.
+    Returns (job, row index) pairs; advances each job's cursor."""
+    picked: list[tuple[Job, int]] = []
+    used = 0
+    active = [j for j in jobs if not j.cancelled and j.cursor < len(j.rows)]
+    while active:
+        nxt = []
+        for job in active:
+            n = len(job.rows[job.cursor])
+            if picked and used + n > token_budget:
+                return picked
+            picked.append((job, job.cursor))
+            used += n
+            job.cursor += 1
+            if job.cursor < len(job.rows):
+                nxt.append(job)
+        active = nxt
+    return picked
+
+
+# What one more padded forward costs, in padded tokens, when a step's rows are cut into forwards
+# (kernel launches and part-filled waves that do not grow with the rows). With 1024 the 128-row
+# H200 set served as batches of 32 from 4 clients, --max-running-requests 16, step budget 65536,
+# is padded by 6 % in 12 forwards instead of 16 % in 9 with fixed-size cuts (default budget 16384:
+# 11 % instead of 43 %).
+FORWARD_COST_TOKENS = 1024
+
+
+def length_groups(lengths: list[int], max_rows: int, forward_cost: int = FORWARD_COST_TOKENS) -> list[list[int]]:
+    """Indices of a step cut into padded forwards of at most max_rows rows, shortest rows first.
+
+    The rows are sorted by length and cut into consecutive runs so that the padded tokens (each
+    run's longest row times its row count) plus `forward_cost` per run are least: dynamic
+    programming over the sorted lengths, O(rows x max_rows). forward_cost 0 gives runs of equal
+    lengths; a large one gives the fewest forwards. Ties keep the earlier cut."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    n = len(order)
+    best = [0] + [None] * n  # best[j]: least cost of the first j sorted rows
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        longest = lengths[order[j - 1]]
+        for i in range(max(0, j - max_rows), j):
+            cost = best[i] + longest * (j - i) + forward_cost
+            if best[j] is None or cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups = []
+    while n > 0:
+        groups.append(order[cut[n]:n])
+        n = cut[n]
+    return groups[::-1]
+
+
+def auto_torch_threads(cores: int, device: str) -> int:
+    """Intra-op threads for torch: the inference thread gets every core but one, which stays with the
+    event loop, JSON parsing and tokenizing (2 cores -> 1 thread). Measured on the 2-core CPU machine:
+    torch's default (2 threads) gave p99 4-17 s with 16 clients, 1 thread p99 149 ms."""
+    if device != "cpu":
+        return max(1, min(4, cores - 1))  # a GPU forward needs few CPU threads
+    return max(1, cores - 1)
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass
+class Engine:
+    """Model state and the inference thread. HTTP handlers only validate, enqueue and await."""
+
+    args: argparse.Namespace
+    state: str = "loading"  # loading | ready | failed
+    error: str | None = None
+    clf: object | None = None
+    batching: str = "exact"
+    counters: Counters = field(default_factory=Counters)
+    started_at: str = field(default_factory=utc_now)
+    load_seconds: float | None = None
+    torch_threads: int | None = None
+    metrics: object | None = None
+    _pending: "list[Job]" = field(default_factory=list)
+    _cv: threading.Condition = field(default_factory=threading.Condition)
+    _stopping: bool = False
+    last_progress: float = field(default_factory=time.monotonic)
+    step_running_since: float | None = None
+
+    # ------------------------------------------------------------ loading
+    def load(self, on_failure) -> None:
+        t0 = time.perf_counter()
+        try:
+            import torch
+
+            from openjev.engine.classifier import load_classifier, resolve_device
+
+            device = resolve_device(self.args.device)
+            self.torch_threads = self.args.torch_threads or auto_torch_threads(available_cores(), device)
+            torch.set_num_threads(self.torch_threads)
+            self.clf = load_classifier(self.args.checkpoint, self.args.device, self.args.dtype)
+            self.batching = self.args.batching if self.args.batching != "auto" else (
+                "exact" if self.clf.device == "cpu" else "padded")
+            from openjev.engine.warmup import prepare_serving  # compile GDN kernels before the first request
+
+            self.warmup = prepare_serving(self.clf, self.batching, self.args.max_running_requests)
+        except Exception as exc:  # noqa: BLE001 - any load failure ends the process with one line
+            self.state, self.error = "failed", f"model failed to load from {self.args.checkpoint}: {exc}"
+            log.error(self.error)
+            on_failure()
+            return
+        self.load_seconds = round(time.perf_counter() - t0, 3)
+        threading.Thread(target=self._run, name="openjev-inference", daemon=True).start()
+        self.state = "ready"
+        log.info("model ready: %s (%s on %s, batching %s, %d torch threads, step budget %d tokens) in %.1f s",
+                 self.args.checkpoint, self.clf.dtype, self.clf.device, self.batching, self.torch_threads,
+                 self.args.step_token_budget, self.load_seconds)
+
+    def limits(self) -> contract.Limits:
+        return contract.Limits(self.clf.vocab_size, self.args.context_length, self.args.max_batch_size,
+                               max_text_chars=self.args.max_text_chars)
+
+    def tokenize(self):
+        tok = self.clf.tokenizer
+        if tok is None:
+            return None
+        return lambda texts, add_special_tokens=True: tok(list(texts), add_special_tokens=add_special_tokens)["input_ids"]
+
+    # ------------------------------------------------------------ queue
+    def submit(self, rows: list[list[int]]) -> Job:
+        import numpy as np
+
+        loop = asyncio.get_running_loop()
+        job = Job(rows, loop, loop.create_future(), results=np.empty((len(rows), 3), dtype=np.float32))
+        with self._cv:
+            if not self._pending:
+                self.last_progress = time.monotonic()  # the watchdog counts from when work arrives
+            self._pending.append(job)
+            self._cv.notify()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: its queued rows are dropped; a running step's rows are discarded."""
+        with self._cv:
+            if job.cancelled or job.future.done():
+                return
+            job.cancelled = True
+            dropped = len(job.rows) - job.cursor
+            self.counters.rows_cancelled += dropped
+            self.counters.requests_cancelled += 1
+            if job in self._pending:
+                self._pending.remove(job)
+        if self.metrics:
+            self.metrics.cancelled_rows.inc(dropped)
+        log.info("client disconnected: dropped %d queued rows of a %d-row request", dropped, len(job.rows))
+
+    def queue_depth(self) -> tuple[int, int]:
+        """(requests, rows) waiting or running."""
+        with self._cv:
+            return len(self._pending), sum(len(j.rows) - j.done_rows for j in self._pending)
+
+    def stalled_for(self) -> float:
+        """Seconds queued work has made no progress (0 with nothing queued)."""
+        with self._cv:
+            if not self._pending:
+                return 0.0
+            return time.monotonic() - self.last_progress
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending and not self._stopping:
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                picked = plan_step(self._pending, self.args.step_token_budget)
+                self.step_running_since = time.monotonic()
+            if picked:
+                self._run_step(picked)
+            with self._cv:
+                self.step_running_since = None
+                self.last_progress = time.monotonic()
+                self._pending = [j for j in self._pending if not j.cancelled and j.done_rows < len(j.rows)]
+
+    def _run_step(self, picked: list[tuple[Job, int]]) -> None:
+        import numpy as np
+
+        from openjev.engine.classifier import padded_logits, score_exact
+
+        rows = [job.rows[i] for job, i in picked]
+        t0 = time.perf_counter()
+        try:
+            logits = np.empty((len(rows), 3), dtype=np.float32)
+            queued = []  # padded forwards of this step, their logits still on the device
+            forwards = padded_tokens = 0
+            for idx in length_groups([len(r) for r in rows], self.args.max_running_requests):
+                group = [rows[i] for i in idx]
+                if self.batching == "exact" or self.clf.pad_token_id is None:
+                    logits[idx] = score_exact(self.clf, group)
+                    forwards += len(group)
+                    padded_tokens += sum(map(len, group))
+                else:  # similar lengths together keep padding small; one host copy per step
+                    queued.append((idx, padded_logits(self.clf, group)))
+                    forwards += 1
+                    padded_tokens += max(map(len, group)) * len(group)
+            self.counters.forward_passes += forwards
+            self.counters.padded_tokens += padded_tokens
+            if queued:
+                import torch
+
+                with torch.inference_mode():
+                    host = torch.cat([t for _, t in queued]).float().cpu().numpy()
+                logits[[i for idx, _ in queued for i in idx]] = host
+        except Exception as exc:  # noqa: BLE001 - every request of the failed step gets the error
+            log.exception("forward failed")
+            with self._cv:
+                for job in {id(j): j for j, _ in picked}.values():
+                    job.cancelled = True
+                    job.loop.call_soon_threadsafe(_set_exception, job.future, exc)
+            return
+        elapsed = time.perf_counter() - t0
+        self.counters.steps += 1
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step %d: %d rows of %d requests, %d tokens, %d forwards, %d padded tokens, %.1f ms",
+                      self.counters.steps, len(rows), len({id(j) for j, _ in picked}), sum(map(len, rows)),
+                      forwards, padded_tokens, elapsed * 1e3)
+        if self.metrics:
+            self.metrics.step_seconds.observe(elapsed)
+            self.metrics.step_rows.observe(len(rows))
+            self.metrics.forward_tokens.inc(padded_tokens)
+        with self._cv:
+            for k, (job, i) in enumerate(picked):
+                if job.cancelled:
+                    self.counters.rows_dropped_after_step += 1
+                    continue
+                job.results[i] = logits[k]
+                job.done_rows += 1
+                if job.done_rows == len(job.rows):
+                    job.loop.call_soon_threadsafe(_set_result, job.future, job.results)
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------ /server_info
+    def server_info(self) -> dict:
+        clf = self.clf
+        return contract.server_info(
+            backend="transformers", model=self.model_name, model_path=str(self.args.checkpoint),
+            dtype=clf.dtype if clf else None, device=_describe_device(clf.device) if clf else None,
+            context_length=self.args.context_length,
+            schedule_policy="fcfs", requested_schedule_policy=self.args.schedule_policy,
+            max_running_requests=self.args.max_running_requests, max_batch_size=self.args.max_batch_size,
+            radix_cache=False, mamba_scheduler_strategy=None, mamba_full_memory_ratio=None,
+            attention_backend=f"transformers-{clf.model.config._attn_implementation}" if clf else None,
+            batching=self.batching if clf else None,
+            scheduler={"kind": "token-budget round-robin, rows grouped by length inside a step",
+                       "step_token_budget": self.args.step_token_budget,
+                       "rows_per_forward": self.args.max_running_requests,
+                       "watchdog_seconds": self.args.watchdog_seconds},
+            step_token_budget=self.args.step_token_budget,
+            limits={"max_body_bytes": self.args.max_body_bytes, "max_text_chars": self.args.max_text_chars,
+                    "max_batch_size": self.args.max_batch_size, "max_input_tokens": self.args.context_length - 1},
+            threads={"torch_intra_op": self.torch_threads, "cores": available_cores(),
+                     "requested": self.args.torch_threads or "auto",
+                     "parse_workers": PARSE_WORKERS},
+            allocator=getattr(self, "allocator", None),
+            kernel_path=clf.kernels if clf else None, warmup=getattr(self, "warmup", None),
+            bundle_git=git_revision(), pid=os.getpid(), state=self.state, started_at=self.started_at,
+            load_seconds=self.load_seconds, flush_cache_calls=self.counters.flush_cache_calls,
+            counters=vars(self.counters).copy(),
+            note="embedded Transformers backend: no prefix cache, no SGLang scheduler",
+        )
+
+    @property
+    def model_name(self) -> str:
+        return self.args.served_model_name or self.args.checkpoint.name
+
+
+def _set_result(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
+
+
+def _describe_device(device: str) -> str:
+    if device == "cpu":
+        return "cpu"
+    import torch
+
+    idx = torch.device(device).index or 0
+    major, minor = torch.cuda.get_device_capability(idx)
+    return f"{device} ({torch.cuda.get_device_name(idx)}, sm_{major}{minor})"

@@ -1,0 +1,370 @@
+"""The embedded server's HTTP front: routes, errors, readiness, metrics and the transport it answers on."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import traceback
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from openjev.engine.scheduler import PARSE_WORKERS, Engine
+from sglang_openjev import contract
+from sglang_openjev.routes import read_body  # the body, refused with 413 past the limit (shared with the adapter)
+
+log = logging.getLogger("openjev.transformers")
+
+ROUTES = ("/classify", "/v1/classify", "/health", "/flush_cache", "/server_info", "/v1/models", "/tokenize",
+          "/detokenize", "/metrics")
+
+
+class Metrics:
+    """Prometheus metrics of one server (its own registry, so tests may run several)."""
+
+    def __init__(self, engine: Engine):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("openjev_http_requests", "HTTP requests by route and status", ["route", "status"], registry=r)
+        self.rows = Counter("openjev_rows", "rows (inputs) accepted for scoring", registry=r)
+        self.tokens = Counter("openjev_tokens", "tokens of the rows accepted for scoring", registry=r)
+        self.errors = Counter("openjev_errors", "error responses by error type", ["type"], registry=r)
+        for type_ in (contract.BAD_REQUEST, contract.TOO_LARGE, contract.NOT_FOUND, contract.UNAVAILABLE,
+                      contract.INTERNAL):
+            self.errors.labels(type=type_)  # exported as 0 from the start, so rates work
+        self.cancelled_rows = Counter("openjev_cancelled_rows", "queued rows dropped because the client disconnected",
+                                      registry=r)
+        self.step_seconds = Histogram("openjev_step_seconds", "wall time of one scheduling step", registry=r,
+                                      buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
+        self.forward_tokens = Counter("openjev_forward_tokens", "tokens the forwards ran, padding included "
+                                      "(over openjev_tokens: the padding overhead)", registry=r)
+        self.step_rows = Histogram("openjev_step_rows", "rows in one scheduling step", registry=r,
+                                   buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
+        self.request_seconds = Histogram("openjev_request_seconds", "wall time of classify requests", ["route"],
+                                         registry=r, buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
+        q_req = Gauge("openjev_queue_requests", "requests waiting or running", registry=r)
+        q_req.set_function(lambda: engine.queue_depth()[0])
+        q_rows = Gauge("openjev_queue_rows", "rows waiting or running", registry=r)
+        q_rows.set_function(lambda: engine.queue_depth()[1])
+        stall = Gauge("openjev_stalled_seconds", "seconds queued work has made no progress", registry=r)
+        stall.set_function(engine.stalled_for)
+        healthy = Gauge("openjev_healthy", "1 when /health answers 200", registry=r)
+        healthy.set_function(lambda: 1.0 if health_problem(engine) is None else 0.0)
+        budget = Gauge("openjev_step_token_budget", "tokens per scheduling step", registry=r)
+        budget.set(engine.args.step_token_budget)
+
+    def render(self) -> tuple[bytes, str]:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def health_problem(engine: Engine) -> contract.ContractError | None:
+    if engine.state == "loading":
+        return contract.ContractError(503, "model is loading; retry shortly", contract.UNAVAILABLE)
+    if engine.state == "failed":
+        return contract.ContractError(503, engine.error or "model failed to load", contract.UNAVAILABLE)
+    limit = engine.args.watchdog_seconds
+    if limit and (stalled := engine.stalled_for()) > limit:
+        return contract.ContractError(
+            503, f"watchdog: queued work has made no progress for {stalled:.1f} s (limit {limit:g} s)",
+            contract.UNAVAILABLE)
+    return None
+
+
+class FrontMiddleware:
+    """Outermost of our layers: counts every response by route and status, and turns any exception a
+    handler lets escape into the contract's JSON 500 with a request id (traceback in the log)."""
+
+    def __init__(self, app, engine: Engine):
+        self.app, self.engine = app, engine
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        route = path if path in ROUTES else "other"
+        status = {"code": None}
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        except Exception as exc:  # noqa: BLE001 - the catch-all: every failure is a JSON body
+            rid = uuid.uuid4().hex[:16]
+            log.error("request %s %s %s failed: %s\n%s", rid, scope.get("method"), path, exc, traceback.format_exc())
+            self.engine.counters.errors_5xx += 1
+            if self.engine.metrics:
+                self.engine.metrics.errors.labels(type=f"{contract.INTERNAL}:{type(exc).__name__}").inc()
+            if status["code"] is None:
+                body = contract.error_body(f"internal error ({type(exc).__name__}); request id {rid}", contract.INTERNAL, 500)
+                body["error"]["request_id"] = rid
+                status["code"] = 500
+                resp = JSONResponse(body, status_code=500, headers={"X-Request-Id": rid})
+                await resp(scope, receive, send)
+        finally:
+            if self.engine.metrics and status["code"] is not None:
+                self.engine.metrics.requests.labels(route=route, status=str(status["code"])).inc()
+
+
+
+
+CANCEL_POLL_S = 0.1
+
+
+class Disconnected(Exception):
+    pass
+
+
+def create_app(engine: Engine) -> FastAPI:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import Response
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    app = FastAPI(title="openjev embedded backend", docs_url=None, redoc_url=None, openapi_url=None)
+    engine.metrics = Metrics(engine)
+    pool = ThreadPoolExecutor(PARSE_WORKERS, thread_name_prefix="openjev-parse")
+
+    def error(exc: contract.ContractError) -> JSONResponse:
+        if exc.status >= 500:
+            engine.counters.errors_5xx += 1
+        else:
+            engine.counters.errors_4xx += 1
+        engine.metrics.errors.labels(type=exc.type).inc()
+        headers = {"Retry-After": "5"} if exc.status == 503 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_exception(request: Request, exc: StarletteHTTPException):
+        type_ = contract.NOT_FOUND if exc.status_code == 404 else contract.BAD_REQUEST
+        return error(contract.ContractError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type_))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        return error(contract.ContractError(400, f"invalid request: {exc}"))
+
+    def require_ready() -> None:
+        if engine.state == "loading":
+            raise contract.ContractError(503, "model is loading; retry shortly", contract.UNAVAILABLE)
+        if engine.state == "failed":
+            raise contract.ContractError(503, engine.error or "model failed to load", contract.UNAVAILABLE)
+
+    async def off_loop(fn, *args):
+        """JSON parsing, validation and tokenizing run in a worker thread: the event loop (and /health)
+        never waits for them."""
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    async def body_json(request: Request):
+        raw = await read_body(request, engine.args.max_body_bytes)
+        try:
+            return await off_loop(contract.parse_json, raw)
+        finally:
+            del raw
+
+    async def score(request: Request, rows: list[list[int]]):
+        engine.counters.requests += 1
+        engine.counters.rows += len(rows)
+        n_tokens = sum(len(r) for r in rows)
+        engine.counters.tokens += n_tokens
+        engine.metrics.rows.inc(len(rows))
+        engine.metrics.tokens.inc(n_tokens)
+        job = engine.submit(rows)
+        try:
+            while True:  # wait for the rows; a client that goes away cancels what is still queued
+                done, _ = await asyncio.wait({job.future}, timeout=CANCEL_POLL_S)
+                if done:
+                    break
+                if await request.is_disconnected():
+                    engine.cancel(job)
+                    raise Disconnected()
+        except asyncio.CancelledError:
+            engine.cancel(job)
+            raise
+        try:
+            return job.future.result()
+        except Exception as exc:  # noqa: BLE001
+            raise contract.ContractError(500, f"inference failed: {exc}", contract.INTERNAL) from None
+
+    def parse_native(body):
+        return contract.parse_classify(body, engine.limits(), engine.tokenize())
+
+    def parse_vllm(body):
+        return contract.parse_vllm_classify(body, engine.limits(), engine.tokenize(), engine.model_name)
+
+    async def vllm_classify(request: Request, body) -> JSONResponse:
+        req = await off_loop(parse_vllm, body)
+        logits = await score(request, req.rows)
+        return JSONResponse(contract.v1_classify_response(logits.tolist(), req.rows, engine.model_name,
+                                                          req.use_activation, request=req))
+
+    def classify_route(path: str, vllm_only: bool):
+        async def handler(request: Request):
+            t0 = time.perf_counter()
+            try:
+                require_ready()
+                body = await body_json(request)
+                if vllm_only or contract.is_vllm_request(body):
+                    return await vllm_classify(request, body)
+                rows = await off_loop(parse_native, body)
+                logits = await score(request, rows)
+                return JSONResponse(contract.classify_response(logits.tolist(), engine.model_name))
+            except contract.ContractError as exc:
+                return error(exc)
+            except Disconnected:
+                return Response(status_code=499)
+            finally:
+                engine.metrics.request_seconds.labels(route=path).observe(time.perf_counter() - t0)
+        return handler
+
+    # SGLang registers /classify for POST and PUT; so does this backend.
+    app.add_api_route("/classify", classify_route("/classify", False), methods=["POST", "PUT"])
+    app.add_api_route("/v1/classify", classify_route("/v1/classify", True), methods=["POST"])
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        try:
+            require_ready()
+            body = await body_json(request)
+
+            def work():
+                prompt, add_special, want_strs = contract.parse_tokenize(body, engine.limits(), engine.model_name)
+                tok = engine.clf.tokenizer
+                if tok is None:
+                    raise contract.ContractError(400, "this server has no tokenizer")
+                ids = contract.tokenize_texts([prompt], engine.tokenize(), add_special)[0] if prompt else []
+                strs = tok.convert_ids_to_tokens(ids) if want_strs else None
+                return contract.tokenize_response(ids, engine.args.context_length, strs)
+            return JSONResponse(await off_loop(work))
+        except contract.ContractError as exc:
+            return error(exc)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        try:
+            require_ready()
+            body = await body_json(request)
+
+            def work():
+                ids = contract.parse_detokenize(body, engine.limits(), engine.model_name)
+                if engine.clf.tokenizer is None:
+                    raise contract.ContractError(400, "this server has no tokenizer")
+                return {"prompt": engine.clf.tokenizer.decode(ids)}
+            return JSONResponse(await off_loop(work))
+        except contract.ContractError as exc:
+            return error(exc)
+
+    @app.get("/health")
+    async def health():
+        problem = health_problem(engine)
+        if problem is not None:
+            return error(problem)
+        return JSONResponse({"status": "ok"})
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        engine.counters.flush_cache_calls += 1
+        return JSONResponse({"flushed": False, "message": "the transformers backend has no prefix cache; nothing to flush",
+                             "flush_cache_calls": engine.counters.flush_cache_calls})
+
+    @app.get("/server_info")
+    async def server_info():
+        info = engine.server_info()
+        info["queue"] = dict(zip(("requests", "rows"), engine.queue_depth()))
+        info["stalled_seconds"] = round(engine.stalled_for(), 3)
+        return JSONResponse(info)
+
+    @app.get("/v1/models")
+    async def models():
+        return JSONResponse({"object": "list", "data": [{"id": engine.model_name, "object": "model",
+                                                         "owned_by": "openjev", "root": str(engine.args.checkpoint),
+                                                         "max_model_len": engine.args.context_length}]})
+
+    @app.get("/metrics")
+    async def metrics():
+        data, ctype = engine.metrics.render()
+        return Response(data, media_type=ctype)
+
+    app.add_middleware(FrontMiddleware, engine=engine)
+    return app
+
+
+class CoalescingTransport:
+    """An asyncio transport whose writes made in one event-loop turn leave in one write.
+
+    uvicorn's h11 protocol writes a response in two or three pieces (status line and headers,
+    body, end of message), each its own send() and, with TCP_NODELAY, its own segment. A replica
+    killed between them (SIGKILL, OOM kill) leaves the gateway holding headers without a body, a
+    broken response that HAProxy can no longer retry elsewhere (seen as IncompleteRead in the
+    failover test). Coalesced, a response is in the kernel whole or not at all; an empty
+    response is one HAProxy retries on the other replica.
+    """
+
+    def __init__(self, transport: asyncio.Transport):
+        self._transport = transport
+        self._pending: list[bytes] = []
+        self._loop = asyncio.get_running_loop()
+
+    def write(self, data) -> None:
+        if not data:
+            return
+        if not self._pending:
+            self._loop.call_soon(self._flush)
+        self._pending.append(bytes(data))
+
+    def writelines(self, chunks) -> None:
+        for chunk in chunks:
+            self.write(chunk)
+
+    def _flush(self) -> None:
+        if self._pending:
+            data = b"".join(self._pending)
+            self._pending.clear()
+            if not self._transport.is_closing():
+                self._transport.write(data)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._pending.clear()
+        self._transport.abort()
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + sum(map(len, self._pending))
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+
+def coalescing_h11_protocol() -> type:
+    """uvicorn's h11 protocol over a CoalescingTransport (uvicorn.Config(http=...))."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class CoalescingH11Protocol(H11Protocol):
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(CoalescingTransport(transport))
+
+    return CoalescingH11Protocol
+
+
+def release_large_allocations_to_the_os() -> str:
+    """glibc raises its mmap threshold after a large block is freed (up to 32 MiB), so later large
+    request bodies land in heap arenas that are not given back: RSS stayed 2-4 GB after a 20 MB body.
+    A fixed threshold keeps every block over 1 MiB in its own mapping, returned on free."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_mmap_threshold = -3
+        return "mmap threshold 1 MiB" if libc.mallopt(m_mmap_threshold, 1 << 20) == 1 else "mallopt refused"
+    except (OSError, AttributeError):  # not glibc
+        return "default allocator"
