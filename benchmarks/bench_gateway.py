@@ -2,7 +2,7 @@
 """What the production gateway costs and gives: HAProxy (deploy/) in front of embedded replicas.
 
 The deployment is the real one: units and haproxy.cfg rendered by deploy/install_units.sh
-(`--backend transformers`, stand-in ports on 127.0.0.1), run by deploy/unit_runner.py the way
+(`--backend transformers`, stand-in ports on 127.0.0.1), run by openjev_testsupport/unit_runner.py the way
 systemd runs them (socket held by this process and passed as fd 3, Type=notify, replicas through
 app/serve_sglang_v100.sh). Two replicas, one CPU thread each (OMP_NUM_THREADS=1).
 
@@ -46,11 +46,9 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 APP = REPO / "app"
-sys.path.insert(0, str(APP))
-sys.path.insert(0, str(REPO / "deploy"))
 
-import unit_runner  # noqa: E402
-from openjev.common import UserError, atomic_write_json, git_revision, run_main, utc_now  # noqa: E402
+from openjev.common import UserError, atomic_write_json, git_revision, run_main, utc_now
+from openjev_testsupport import unit_runner
 
 KIND = "openjev-gateway-bench"
 DEFAULT_OUT = REPO / "benchmarks" / "results_cpu" / "gateway_cpu.json"
@@ -384,7 +382,7 @@ def main() -> int:
         "bundle_git": git_revision(),
         "haproxy_version": version,
         "deployment": "deploy/install_units.sh --backend transformers (tiny random-weight Qwen3.5 classifier, "
-                      "float32, exact batching, OMP_NUM_THREADS=1 per replica) run by deploy/unit_runner.py; "
+                      "float32, exact batching, OMP_NUM_THREADS=1 per replica) run by openjev_testsupport/unit_runner.py; "
                       "HAProxy master-worker on a socket held by the runner (fd 3)",
         "parameters": {"latency_pairs": args.latency_pairs, "requests": args.requests, "clients": args.clients,
                        "request_rows": "1 (even i) or 2 (odd i) rows of data/nli_sample.jsonl tokens",

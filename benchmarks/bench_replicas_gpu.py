@@ -2,7 +2,7 @@
 """The production layout on GPUs: the gateway over two embedded replicas, failover under load.
 
 The deployment is the real one, as in benchmarks/bench_gateway.py: units and haproxy.cfg rendered by
-deploy/install_units.sh (`--backend transformers`), run by deploy/unit_runner.py the way systemd
+deploy/install_units.sh (`--backend transformers`), run by openjev_testsupport/unit_runner.py the way systemd
 runs them (socket held by the runner, fd 3; each replica's CUDA_VISIBLE_DEVICES comes from its unit
 instance, `Environment=CUDA_VISIBLE_DEVICES=%i`). Phases, each written to the receipt as it ends:
 
@@ -51,13 +51,11 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "app"))
-sys.path.insert(0, str(REPO / "deploy"))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-import unit_runner  # noqa: E402
-from openjev.common import UserError, atomic_write_json, git_revision, run_main, softmax, utc_now  # noqa: E402
-from bench_gateway import Client, admin, free_pair, free_port, machine, run, summary_ms  # noqa: E402
+from bench_gateway import Client, admin, free_pair, free_port, machine, run, summary_ms
+
+from openjev.common import UserError, atomic_write_json, git_revision, run_main, softmax, utc_now
+from openjev_testsupport import unit_runner
 
 KIND = "openjev-replicas-gpu-bench"
 PY = sys.executable

@@ -41,10 +41,9 @@ import requests
 REPO = Path(__file__).resolve().parents[1]
 APP = REPO / "app"
 SAMPLE = REPO / "data" / "nli_sample.jsonl"
-sys.path.insert(0, str(APP))
-sys.path.insert(0, str(REPO / "benchmarks"))
-from openjev.common import UserError, run_main, utc_now  # noqa: E402
-from bench_gateway import machine as machine_facts  # noqa: E402
+from bench_gateway import machine as machine_facts
+
+from openjev.common import UserError, run_main, utc_now
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,13 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "app"))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from openjev.common import UserError, atomic_write_json, run_main  # noqa: E402
+from openjev.common import UserError, atomic_write_json, run_main
 
 
 def build_parser() -> argparse.ArgumentParser:

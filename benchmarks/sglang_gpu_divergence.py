@@ -28,15 +28,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import traceback
 import sys
+import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "app"))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from openjev.common import atomic_write_json, entailment_prob, environment_receipt, read_tokens, utc_now  # noqa: E402
+from openjev.common import atomic_write_json, entailment_prob, environment_receipt, read_tokens, utc_now
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -127,7 +125,6 @@ def replace_hidden(new):
 def teacher_forced(model, ids, stream, types, device, dtype, feed_core=None, record_core=False):
     """One forward where every layer (and the final norm) starts from SGLang's values; returns the
     modules' own outputs {mixer: [..], mlp: [..], core: {L: ..}, core_norm: {L: ..}} and the logits."""
-    import torch
 
     layers, final_norm, _ = text_parts(model)
     r, mix, mlp = stream

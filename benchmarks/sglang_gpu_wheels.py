@@ -30,8 +30,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "app"))
-from openjev.common import atomic_write_bytes, sha256_file  # noqa: E402
+from openjev.common import atomic_write_bytes, sha256_file
 
 REPO = Path(__file__).resolve().parents[1]
 PROG = "sglang_gpu_wheels"

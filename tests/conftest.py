@@ -31,7 +31,9 @@ PY = sys.executable
 os.environ.setdefault("PYTHONPYCACHEPREFIX", str(REPO / "build" / "pycache"))
 sys.pycache_prefix = os.environ["PYTHONPYCACHEPREFIX"]
 
-for p in (str(APP), str(REPO)):  # unit tests import app modules and sglang_openjev directly
+# The one place that edits sys.path: unit tests import step scripts (app/) and benchmark drivers
+# (benchmarks/) as modules, and this checkout's packages ahead of any installed copy.
+for p in (str(APP), str(REPO / "benchmarks"), str(REPO)):
     if p not in sys.path:
         sys.path.insert(0, p)
 

@@ -7,14 +7,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
+import bench_replicas_gpu as bench
 import numpy as np
-
 from conftest import REPO, error_lines
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-import bench_replicas_gpu as bench  # noqa: E402
 
 SCRIPT = REPO / "benchmarks" / "bench_replicas_gpu.py"
 

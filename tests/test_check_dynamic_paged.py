@@ -22,21 +22,11 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-from openjev.paged import dynamic_paged as dp  # noqa: E402
-from openjev.paged.reference import (  # noqa: E402
-    KNOWN_BUG_MASKS,
-    causal_flops,
-    causal_visibility,
-    check_cases,
-    dense_attention,
-    gather_sequence_kv,
-    make_case,
-    random_case,
-    reference_paged_prefill,
-)
+from openjev.paged import dynamic_paged as dp
+from openjev.paged.reference import (KNOWN_BUG_MASKS, causal_flops, causal_visibility, check_cases,
+                                     dense_attention, gather_sequence_kv, make_case, random_case,
+                                     reference_paged_prefill)
 
 SCRIPT = REPO / "app" / "check_dynamic_paged.py"
 PATCH = REPO / "patches" / "dynamic-paged.patch"

@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-from sglang_openjev import contract  # noqa: E402
-from sglang_openjev.contract import ContractError, Limits  # noqa: E402
+from sglang_openjev import contract
+from sglang_openjev.contract import ContractError, Limits
 
 LIMITS = Limits(vocab_size=100, context_length=16, max_batch_size=4)
 

@@ -8,7 +8,7 @@ What plays the part of systemd (PID 1 is not systemd here):
   * systemd-socket-activate (Debian package systemd): the activation test. It binds the socket,
     waits for the first connection and execs the gateway with LISTEN_FDS=1 on fd 3, exactly the
     protocol of a socket unit. It exits with its child, so it cannot model restarts.
-  * deploy/unit_runner.py: everything else. It reads the rendered unit files and runs them as
+  * openjev_testsupport/unit_runner.py: everything else. It reads the rendered unit files and runs them as
     systemd does: it binds the socket unit's ListenStream and holds it for its whole life (as
     PID 1 does across service restarts), passes it as fd 3 with LISTEN_FDS/LISTEN_PID, waits for
     READY=1 over NOTIFY_SOCKET (Type=notify), stops with KillSignal= to the main PID
@@ -33,7 +33,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -41,11 +40,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
-
 from conftest import PY, REPO, error_lines, free_port, token_rows
 
-sys.path.insert(0, str(REPO / "deploy"))
-import unit_runner  # noqa: E402  (deploy/ is not a package)
+from openjev_testsupport import unit_runner
 
 INSTALL = REPO / "deploy" / "install_units.sh"
 LAUNCHER = REPO / "app" / "serve_sglang_v100.sh"
@@ -621,7 +618,7 @@ def test_install_units_creates_a_missing_root(overlay, tmp_path):
 def test_unit_runner_names_a_missing_working_directory_in_one_line(overlay, tmp_path):
     r = render(tmp_path, overlay, free_port(), free_port(), free_port_pair())
     r["root"].rmdir()  # the root went away after the install (or was never made)
-    proc = subprocess.run([PY, str(REPO / "deploy" / "unit_runner.py"), str(r["units"])], capture_output=True, text=True,
+    proc = subprocess.run([PY, "-m", "openjev_testsupport.unit_runner", str(r["units"])], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     lines = [l for l in proc.stderr.splitlines() if l.strip()]

@@ -8,7 +8,7 @@ Three hosts are played on one machine by three loopback addresses, and only thos
   127.0.0.4  peer host "peer4": the same
 Every file comes from deploy/install_units.sh (one rendering per host, `--local-address` puts each
 host's loopback services on its address), every certificate from deploy/openjev_certs.sh (OpenSSL),
-and deploy/unit_runner.py runs each host's units the way systemd does (see tests/test_deployment.py).
+and openjev_testsupport/unit_runner.py runs each host's units the way systemd does (see tests/test_deployment.py).
 Replicas: the embedded backend (`--backend transformers`) on the tiny model, one thread each.
 
 Skips (pytest -rs shows why) without haproxy (apt-get install -y haproxy) or openssl; the
@@ -27,17 +27,16 @@ import signal
 import socket
 import ssl
 import subprocess
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import requests
-
 from conftest import PY, REPO, error_lines, token_rows
-from openjev_testsupport.pki import CERTS, make_host_tls
 from test_deployment import ANALYZE, HAPROXY, Load, admin, install, unit_runner, wait_for
+
+from openjev_testsupport.pki import CERTS, make_host_tls
 
 OPENSSL = shutil.which("openssl")
 HOSTS = {"front": "127.0.0.2", "peer3": "127.0.0.3", "peer4": "127.0.0.4"}

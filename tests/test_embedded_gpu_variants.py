@@ -42,7 +42,6 @@ def test_variants_agree_with_the_baseline(overlay, sample_tokens, tmp_path):
 def test_server_cuts_and_a_profile(overlay, sample_tokens, tmp_path):
     """--grouping dp forms the forwards as the embedded server cuts a step (least padding over the
     whole set); --profile adds torch.profiler tables of one pass."""
-    sys.path.insert(0, str(REPO / "app"))
     from openjev.common import read_tokens
     from openjev.engine.scheduler import length_groups
 

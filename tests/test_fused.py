@@ -17,10 +17,7 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import REPO, run_py
-
-sys.path.insert(0, str(REPO / "app"))
 
 triton_missing = None
 try:

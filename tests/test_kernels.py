@@ -18,7 +18,6 @@ try:
 except ImportError as exc:
     triton_missing = f"triton not importable ({exc}): it is the GPU extra; requirements.txt pins it for these tests"
 
-sys.path.insert(0, str(REPO / "app"))
 
 
 def test_float64_recurrence_matches_transformers_gated_delta_rule():

@@ -25,12 +25,11 @@ from pathlib import Path, PurePosixPath
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(REPO / "app"))
 
-import prepare_v100_cuda as cuda  # noqa: E402
-from openjev.common import UserError  # noqa: E402
-from _http_fixtures import LoopbackHTTPServer  # noqa: E402
+import prepare_v100_cuda as cuda
+from _http_fixtures import LoopbackHTTPServer
+
+from openjev.common import UserError
 
 PYTHON = str(REPO / ".venv/bin/python") if (REPO / ".venv/bin/python").exists() else sys.executable
 SCRIPT = str(REPO / "app/prepare_v100_cuda.py")

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import sys
 
 import numpy as np
 import pytest
-
-from conftest import REPO, SAMPLE, error_lines, run_script, token_rows, tree_digest
+from conftest import SAMPLE, error_lines, run_script, token_rows, tree_digest
 
 
 def sha(path):
@@ -164,7 +161,6 @@ def test_threads_on_a_cpu_run_one_and_change_nothing(overlay, sample_tokens, ref
 
 
 def test_verify_picks_spread_from_shortest_to_longest():
-    sys.path.insert(0, str(REPO / "app"))
     from score_reference import verify_picks
 
     rows = [[1] * n for n in (5, 1, 9, 3, 7, 2)]
@@ -185,7 +181,6 @@ def test_verify_rows_refuses_a_padded_reference_that_is_not_exact(overlay, sampl
 
 
 def _classifier_and_rows(overlay, sample_tokens):
-    sys.path.insert(0, str(REPO / "app"))
     from openjev.engine.classifier import load_classifier
 
     _, rows = token_rows(sample_tokens)
@@ -270,9 +265,8 @@ def test_rowwise_attention_repeats_each_rows_unpadded_call(overlay, sample_token
 
 
 def test_padded_attention_mode_is_checked(monkeypatch):
-    from openjev.engine.kernels import padded_attention_mode
-
     from openjev.common import UserError
+    from openjev.engine.kernels import padded_attention_mode
 
     monkeypatch.setenv("OPENJEV_PADDED_ATTENTION", "masked")
     assert padded_attention_mode() == "masked"

@@ -37,7 +37,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,8 +68,9 @@ def _why_not_here() -> tuple[str | None, bool]:
         return f"sglang {version} here; these tests are for sglang {SGLANG_VERSION}'s CPU engine", True
     try:
         import torch  # noqa: F401
-        import sglang_openjev_cpu.runtime  # noqa: F401
+
         import openjev_testsupport.sgl_kernel_cpu_standin.ops  # noqa: F401
+        import sglang_openjev_cpu.runtime  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - any failure means: cannot run here
         return f"{type(exc).__name__}: {exc}", False
     return None, False
@@ -324,7 +324,6 @@ def test_the_same_rows_again_hit_the_cache_and_stay_right(engine, first_pass, re
     Three rows, because the engine keeps 8 GDN state slots (--max-mamba-cache-size 8): a pass over all
     rows evicts every cached state before the next pass could use it."""
     import numpy as np
-
     import requests
 
     ids, input_ids = rows
@@ -352,7 +351,6 @@ def test_the_same_rows_again_hit_the_cache_and_stay_right(engine, first_pass, re
 
 
 def test_a_checkpoint_with_an_unexpected_tensor_is_refused_at_start(model, work):
-    sys.path.insert(0, str(REPO / "tests"))
     import strict_loading_cases
 
     bad = work / "bad"

@@ -17,10 +17,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-sys.path.insert(0, str(REPO / "app"))
 
-import sglang_forward_capture as capture  # noqa: E402
+import sglang_forward_capture as capture
 
 torch = pytest.importorskip("torch")
 
@@ -28,9 +26,9 @@ torch = pytest.importorskip("torch")
 def record(model_dir: Path, rows: dict[str, list[int]], out: Path, perturb: tuple[str, float] | None = None) -> dict:
     """Run the Transformers classifier on each row, saving its module outputs as SGLang's hooks would
     (out/len{T}.pt) and the logits (returned). perturb=(capture key, amount) adds to that output."""
-    from openjev.engine.classifier import load_classifier
-
     import sglang_gpu_divergence as tool
+
+    from openjev.engine.classifier import load_classifier
 
     clf = load_classifier(model_dir, "cpu", "float16")
     layers, _, types = tool.text_parts(clf.model)

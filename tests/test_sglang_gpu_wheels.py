@@ -246,7 +246,6 @@ def test_pin_errors(env):
 
 
 def test_pinned_list_matches_the_sglang_freeze():
-    sys.path.insert(0, str(REPO / "benchmarks"))
     import sglang_gpu_wheels as g
 
     pins = dict(g.read_pins(REPO / "requirements-sglang-gpu.txt"))

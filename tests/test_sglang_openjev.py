@@ -38,12 +38,10 @@ from types import SimpleNamespace
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-for _p in (str(REPO), str(REPO / "tests")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
 
-import strict_loading_cases  # noqa: E402 - tests/, the five corrupted checkpoints
-from sglang_openjev import contract, launch_server, pooling, routes, warmup, weights  # noqa: E402
+import strict_loading_cases
+
+from sglang_openjev import contract, launch_server, pooling, routes, warmup, weights
 
 LABELS = {0: "contradiction", 1: "entailment", 2: "neutral"}
 TEXT_CONFIG = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
@@ -55,9 +53,9 @@ VISION_CONFIG = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
 
 def _sglang_import_error() -> str | None:
     try:
-        import sglang.srt.models.registry  # noqa: F401
-        import sglang.srt.models.qwen3_5  # noqa: F401
         import sglang.srt.entrypoints.http_server  # noqa: F401
+        import sglang.srt.models.qwen3_5  # noqa: F401
+        import sglang.srt.models.registry  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - any failure means: not importable here
         return f"{type(exc).__name__}: {exc}"
     return None
@@ -238,11 +236,7 @@ def test_checkpoint_config_refusals(change, message):
 def tiny_model_config(shape: str, interval: bool = True) -> dict:
     """config.json of app/make_tiny_model.py's SHAPE as save_pretrained writes it (no weights built);
     without INTERVAL, as Transformers writes a config built from layer_types alone."""
-    sys.path.insert(0, str(REPO / "app"))
-    try:
-        import make_tiny_model
-    finally:
-        sys.path.remove(str(REPO / "app"))
+    import make_tiny_model
     config = make_tiny_model.build_config(shape, 0, 1).to_dict()
     config["architectures"] = ["Qwen3_5ForSequenceClassification"]
     if not interval:
@@ -251,11 +245,7 @@ def tiny_model_config(shape: str, interval: bool = True) -> dict:
 
 
 def tiny_model_shapes() -> list[str]:
-    sys.path.insert(0, str(REPO / "app"))
-    try:
-        import make_tiny_model
-    finally:
-        sys.path.remove(str(REPO / "app"))
+    import make_tiny_model
     return sorted(make_tiny_model.SHAPES)
 
 

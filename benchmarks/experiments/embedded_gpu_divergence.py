@@ -38,18 +38,12 @@ import sys
 import time
 import traceback
 import warnings
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: gpu_profile
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent / "app"))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/experiments/: embedded_gpu_variants
+import numpy as np
+from embedded_gpu_variants import agreement, padded_loop
+from gpu_profile import base_parser, budget_groups, sync
 
-import numpy as np  # noqa: E402
-
-from openjev.common import entailment_prob, environment_receipt, read_tokens, truncate_rows, utc_now  # noqa: E402
-from gpu_profile import base_parser, budget_groups, sync  # noqa: E402
-from embedded_gpu_variants import agreement, padded_loop  # noqa: E402
+from openjev.common import entailment_prob, environment_receipt, read_tokens, truncate_rows, utc_now
 
 PARTS = ("candidates", "chain", "isolated", "overhead", "truth")
 # sub-modules compared in the chain, by the last component of their name

@@ -35,16 +35,11 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: gpu_profile
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent / "app"))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+import numpy as np
+from gpu_profile import base_parser, budget_groups, prof_tables, sync
 
-import numpy as np  # noqa: E402
-
-from openjev.common import environment_receipt, read_tokens, softmax, truncate_rows, utc_now  # noqa: E402
-from gpu_profile import base_parser, budget_groups, prof_tables, sync  # noqa: E402
+from openjev.common import environment_receipt, read_tokens, softmax, truncate_rows, utc_now
 
 EXACT = ("exact", "exact_nocache", "exact_async", "exact_threads2", "exact_threads3")
 PADDED = ("padded", "padded_nocache", "padded_fused", "compiled_pointwise", "compiled_layers")
@@ -182,9 +177,10 @@ def main() -> int:
 
     from openjev.engine.classifier import load_classifier, score_exact
     from openjev.engine.fused import apply_fused, remove_fused
-    from openjev.engine.kernels import compile_pointwise, kernel_path, measure_matmul_peak, model_flops, path_label
-    from openjev.engine.warmup import warm_up
+    from openjev.engine.kernels import (compile_pointwise, kernel_path, measure_matmul_peak, model_flops,
+                                        path_label)
     from openjev.engine.scheduler import length_groups
+    from openjev.engine.warmup import warm_up
 
     res: dict = {"kind": "openjev-embedded-gpu-variants", "made_by": "benchmarks/experiments/embedded_gpu_variants.py",
                  "made_at": utc_now(),

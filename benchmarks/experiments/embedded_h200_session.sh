@@ -8,7 +8,7 @@
 # STAGES (default "prep profile profile_torch reference http") picks what runs, in order:
 #   prep           random-weight classifier of Qwen3.5-4B's text shape (FP16) and the 128-row
 #                  synthetic set (premises 200-1500 tokens, option groups), as bench_embedded.sh
-#   profile        benchmarks/gpu_profile.py with the kernels Transformers binds (fla if installed)
+#   profile        benchmarks/experiments/gpu_profile.py with the kernels Transformers binds (fla if installed)
 #   profile_torch  the same, short, with OPENJEV_KERNELS=torch (Transformers' PyTorch fallback)
 #   reference      app/score_reference.py, exact (one unpadded row per forward), FP16, REF_WORKERS
 #                  processes (default 1)
@@ -23,7 +23,7 @@
 #   http16         the same with --max-running-requests 16
 #   replicas       the gateway over two replicas on a one-GPU machine: a 128-row set of short premises (64-256 tokens) and
 #                  its FP16 reference, then benchmarks/bench_replicas_gpu.py --share-gpu 0 (the gateway
-#                  and two embedded replicas run by deploy/unit_runner.py, both on GPU 0; placement,
+#                  and two embedded replicas run by openjev_testsupport/unit_runner.py, both on GPU 0; placement,
 #                  exclusivity, throughput one vs two replicas, failover of 2,000 requests with a
 #                  SIGKILLed replica); HAPROXY names the HAProxy executable (default: haproxy on PATH);
 #                  REPLICA_BATCHING (exact: answers bitwise the reference; padded) and MAX_PROB_DIFF
@@ -75,12 +75,12 @@ stage_prep() {
 }
 
 stage_profile() {
-  "$PY" benchmarks/gpu_profile.py --model "$MODEL" --tokens "$SET.tokens.jsonl" --out "$R/profile" --device "$DEVICE" \
+  "$PY" benchmarks/experiments/gpu_profile.py --model "$MODEL" --tokens "$SET.tokens.jsonl" --out "$R/profile" --device "$DEVICE" \
     --cudnn-ab ${PROFILE_ARGS:-}
 }
 
 stage_profile_torch() {
-  OPENJEV_KERNELS=torch "$PY" benchmarks/gpu_profile.py --model "$MODEL" --tokens "$SET.tokens.jsonl" \
+  OPENJEV_KERNELS=torch "$PY" benchmarks/experiments/gpu_profile.py --model "$MODEL" --tokens "$SET.tokens.jsonl" \
     --out "$R/profile" --device "$DEVICE" --tag _torch --exact-rows 6 --budgets 32768 --padded-repeats 1 \
     ${PROFILE_ARGS:-}
 }

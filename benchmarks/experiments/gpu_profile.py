@@ -14,7 +14,7 @@ then on one input set:
             in the same run
 
 Writes OUT/profile.json and OUT/profile_*.txt. Example (GPU machine):
-  python3 benchmarks/gpu_profile.py --model W/model-qwen3.5-4b --tokens W/set.tokens.jsonl --out OUT
+  python3 benchmarks/experiments/gpu_profile.py --model W/model-qwen3.5-4b --tokens W/set.tokens.jsonl --out OUT
 """
 
 from __future__ import annotations
@@ -26,12 +26,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "app"))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from openjev.common import read_tokens, truncate_rows  # noqa: E402
+from openjev.common import read_tokens, truncate_rows
 
 
 def base_parser(doc: str, out_help: str = "directory (created)") -> argparse.ArgumentParser:
@@ -109,7 +106,6 @@ def time_padded_passes(clf, rows, groups, passes, device):
 
 
 def prof_tables(fn, device, path: Path, rows=30):
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
