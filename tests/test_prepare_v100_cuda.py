@@ -26,10 +26,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-import prepare_v100_cuda as cuda
 from _http_fixtures import LoopbackHTTPServer
 
 from openjev.common import UserError
+from openjev.cuda import download as cuda_download
+from openjev.cuda import manifest as cuda_manifest
+from openjev.cuda import tree as cuda_tree
 
 PYTHON = str(REPO / ".venv/bin/python") if (REPO / ".venv/bin/python").exists() else sys.executable
 SCRIPT = str(REPO / "app/prepare_v100_cuda.py")
@@ -221,74 +223,74 @@ def test_help_has_argument_table_and_example():
 
 
 def test_platform_dirname_and_components_parsing():
-    assert cuda.platform_from_machine("x86_64") == "linux-x86_64"
-    assert cuda.platform_from_machine("aarch64") == "linux-sbsa"
+    assert cuda_manifest.platform_from_machine("x86_64") == "linux-x86_64"
+    assert cuda_manifest.platform_from_machine("aarch64") == "linux-sbsa"
     with pytest.raises(UserError):
-        cuda.platform_from_machine("ppc64le")
-    assert cuda.toolkit_dirname("12.6.3") == "cuda126"
+        cuda_manifest.platform_from_machine("ppc64le")
+    assert cuda_manifest.toolkit_dirname("12.6.3") == "cuda126"
     with pytest.raises(UserError):
-        cuda.toolkit_dirname("twelve")
-    assert cuda.parse_components(None) == list(cuda.DEFAULT_COMPONENT_NAMES)
-    assert cuda.parse_components(" cuda_nvcc,cuda_nvcc, libcublas ,") == ["cuda_nvcc", "libcublas"]
+        cuda_manifest.toolkit_dirname("twelve")
+    assert cuda_manifest.parse_components(None) == list(cuda_manifest.DEFAULT_COMPONENT_NAMES)
+    assert cuda_manifest.parse_components(" cuda_nvcc,cuda_nvcc, libcublas ,") == ["cuda_nvcc", "libcublas"]
     with pytest.raises(UserError):
-        cuda.parse_components("cuda_nvcc,../x")
+        cuda_manifest.parse_components("cuda_nvcc,../x")
     # the default set covers what the sgl-kernel build and FlashInfer JIT need
     assert {"cuda_nvcc", "cuda_cudart", "cuda_cccl", "cuda_nvrtc", "libcublas", "libcusparse",
-            "libcusolver", "libcurand", "libcufft", "cuda_nvtx", "cuda_profiler_api"} <= set(cuda.DEFAULT_COMPONENT_NAMES)
+            "libcusolver", "libcurand", "libcufft", "cuda_nvtx", "cuda_profiler_api"} <= set(cuda_manifest.DEFAULT_COMPONENT_NAMES)
 
 
 @pytest.mark.parametrize("name", ["/etc/passwd", "top/../../etc/passwd", "other/bin/nvcc", "../top/x"])
 def test_member_paths_outside_the_top_folder_are_refused(name):
     with pytest.raises(UserError):
-        cuda.archive_member_relpath(name, "top")
+        cuda_tree.archive_member_relpath(name, "top")
 
 
 def test_member_paths_and_symlinks_inside_are_accepted():
-    assert cuda.archive_member_relpath("top", "top") is None
-    assert cuda.archive_member_relpath("./top/bin/nvcc", "top") == PurePosixPath("bin/nvcc")
-    assert cuda.symlink_stays_inside(PurePosixPath("lib/libcudart.so"), "libcudart.so.12")
-    assert cuda.symlink_stays_inside(PurePosixPath("lib/x"), "../include/cuda.h")
-    assert not cuda.symlink_stays_inside(PurePosixPath("lib/x"), "../../etc/passwd")
-    assert not cuda.symlink_stays_inside(PurePosixPath("lib/x"), "/usr/lib/libcuda.so")
+    assert cuda_tree.archive_member_relpath("top", "top") is None
+    assert cuda_tree.archive_member_relpath("./top/bin/nvcc", "top") == PurePosixPath("bin/nvcc")
+    assert cuda_tree.symlink_stays_inside(PurePosixPath("lib/libcudart.so"), "libcudart.so.12")
+    assert cuda_tree.symlink_stays_inside(PurePosixPath("lib/x"), "../include/cuda.h")
+    assert not cuda_tree.symlink_stays_inside(PurePosixPath("lib/x"), "../../etc/passwd")
+    assert not cuda_tree.symlink_stays_inside(PurePosixPath("lib/x"), "/usr/lib/libcuda.so")
 
 
 def test_plan_refuses_bad_manifest_entries(release: Release):
     base = "http://mirror/"
-    plans = cuda.plan_components(release.manifest, list(COMPONENTS), PLATFORM, base)
+    plans = cuda_manifest.plan_components(release.manifest, list(COMPONENTS), PLATFORM, base)
     assert [p.name for p in plans] == list(COMPONENTS)
     assert plans[0].url == base + relative_path("cuda_nvcc", "12.6.85")
     assert plans[0].top_dir == top_dir("cuda_nvcc", "12.6.85")
     with pytest.raises(UserError, match="libnope"):
-        cuda.plan_components(release.manifest, ["cuda_nvcc", "libnope"], PLATFORM, base)
+        cuda_manifest.plan_components(release.manifest, ["cuda_nvcc", "libnope"], PLATFORM, base)
     with pytest.raises(UserError, match="linux-sbsa"):
-        cuda.plan_components(release.manifest, ["cuda_nvcc"], "linux-sbsa", base)
+        cuda_manifest.plan_components(release.manifest, ["cuda_nvcc"], "linux-sbsa", base)
     for field, value, message in (("sha256", None, "no sha256"), ("sha256", "abc", "malformed sha256"),
                                   ("relative_path", "../../etc/x.tar.xz", "unsafe"),
                                   ("relative_path", "cuda_nvcc/x.zip", "not a .tar.xz"), ("size", None, "size")):
         manifest = json.loads(json.dumps(release.manifest))
         manifest["cuda_nvcc"][PLATFORM][field] = value
         with pytest.raises(UserError, match=message):
-            cuda.plan_components(manifest, ["cuda_nvcc"], PLATFORM, base)
+            cuda_manifest.plan_components(manifest, ["cuda_nvcc"], PLATFORM, base)
 
 
 def test_pin_resolution_refuses_before_any_io():
     pin = {"version": VERSION, "manifest_url": "https://x/redist/redistrib_12.6.3.json", "manifest_sha256": None}
     with pytest.raises(UserError, match="--allow-unpinned"):
-        cuda.resolve_manifest_source(pin, VERSION, None, allow_unpinned=False)
-    src = cuda.resolve_manifest_source(pin, VERSION, None, allow_unpinned=True)
+        cuda_manifest.resolve_manifest_source(pin, VERSION, None, allow_unpinned=False)
+    src = cuda_manifest.resolve_manifest_source(pin, VERSION, None, allow_unpinned=True)
     assert (src.url, src.base_url, src.pinned) == (pin["manifest_url"], "https://x/redist/", False)
     with pytest.raises(UserError, match="differs from the pinned"):
-        cuda.resolve_manifest_source({**pin, "manifest_sha256": "0" * 64}, "12.8.0", None, allow_unpinned=False)
-    src = cuda.resolve_manifest_source({**pin, "manifest_sha256": "0" * 64}, VERSION, "http://m/r", False)
+        cuda_manifest.resolve_manifest_source({**pin, "manifest_sha256": "0" * 64}, "12.8.0", None, allow_unpinned=False)
+    src = cuda_manifest.resolve_manifest_source({**pin, "manifest_sha256": "0" * 64}, VERSION, "http://m/r", False)
     assert (src.url, src.pinned) == ("http://m/r/redistrib_12.6.3.json", True)
 
 
-def _evil_archive(tmp_path: Path, member: tarfile.TarInfo) -> tuple[Path, "cuda.ComponentPlan"]:
+def _evil_archive(tmp_path: Path, member: tarfile.TarInfo) -> tuple[Path, "cuda_manifest.ComponentPlan"]:
     top = "cuda_evil-linux-x86_64-1.0-archive"
     data = _tar_xz(top, {"include/ok.h": (b"ok", 0o644)}, {}, raw_members=[member])
     path = tmp_path / f"{top}.tar.xz"
     path.write_bytes(data)
-    plan = cuda.ComponentPlan("cuda_evil", "1.0", f"cuda_evil/{PLATFORM}/{top}.tar.xz",
+    plan = cuda_manifest.ComponentPlan("cuda_evil", "1.0", f"cuda_evil/{PLATFORM}/{top}.tar.xz",
                               hashlib.sha256(data).hexdigest(), len(data), "http://x/")
     return path, plan
 
@@ -315,7 +317,7 @@ def test_unpacking_refuses_escaping_members(tmp_path: Path, member, message):
     staging = tmp_path / "staging"
     staging.mkdir()
     with pytest.raises(UserError, match=message):
-        cuda.extract_component(archive, plan, staging, {})
+        cuda_tree.extract_component(archive, plan, staging, {})
     assert not (tmp_path / "escape.txt").exists() and not Path("/tmp/openjev-absolute.txt").exists()
 
 
@@ -324,10 +326,10 @@ def test_unpacking_refuses_writing_through_a_symlink(tmp_path: Path):
     data = _tar_xz(top, {}, {"lib/dir": "."}, raw_members=[_member(f"{top}/lib/dir/x", size=1)])
     archive = tmp_path / f"{top}.tar.xz"
     archive.write_bytes(data)
-    plan = cuda.ComponentPlan("cuda_evil", "1.0", f"c/{top}.tar.xz", "0" * 64, len(data), "http://x/")
+    plan = cuda_manifest.ComponentPlan("cuda_evil", "1.0", f"c/{top}.tar.xz", "0" * 64, len(data), "http://x/")
     (tmp_path / "staging").mkdir()
     with pytest.raises(UserError, match="through the symlink"):
-        cuda.extract_component(archive, plan, tmp_path / "staging", {})
+        cuda_tree.extract_component(archive, plan, tmp_path / "staging", {})
 
 
 def _component(tmp_path: Path, name: str, files, links=None, raw_members=None):
@@ -335,7 +337,7 @@ def _component(tmp_path: Path, name: str, files, links=None, raw_members=None):
     data = _tar_xz(top, files, links or {}, raw_members=raw_members)
     path = tmp_path / f"{top}.tar.xz"
     path.write_bytes(data)
-    return path, cuda.ComponentPlan(name, "1.0", f"{name}/{PLATFORM}/{top}.tar.xz",
+    return path, cuda_manifest.ComponentPlan(name, "1.0", f"{name}/{PLATFORM}/{top}.tar.xz",
                                     hashlib.sha256(data).hexdigest(), len(data), "http://x/")
 
 
@@ -349,17 +351,17 @@ def test_unpacking_merges_components_and_keeps_inner_links(tmp_path: Path):
                                         "LICENSE": (b"a", 0o644)}, {"lib/liba.so": "liba.so.1"}, [hard])
     b = _component(tmp_path, "cuda_b", {"include/b.h": (b"B", 0o644), "include/common.h": (b"same", 0o644),
                                         "LICENSE": (b"b", 0o644)})
-    assert cuda.extract_component(*a, staging, owners) == 5
-    assert cuda.extract_component(*b, staging, owners) == 2  # identical include/common.h is not counted twice
+    assert cuda_tree.extract_component(*a, staging, owners) == 5
+    assert cuda_tree.extract_component(*b, staging, owners) == 2  # identical include/common.h is not counted twice
     assert (staging / "lib/libsame.so").read_bytes() == b"A" and not (staging / "lib/libsame.so").is_symlink()
     assert os.readlink(staging / "lib/liba.so") == "liba.so.1"
     assert (staging / "licenses/cuda_a/LICENSE").read_bytes() == b"a"
     assert (staging / "licenses/cuda_b/LICENSE").read_bytes() == b"b"
     c = _component(tmp_path, "cuda_c", {"include/common.h": (b"different", 0o644)})
     with pytest.raises(UserError, match="with different content, by cuda_a"):
-        cuda.extract_component(*c, staging, owners)
+        cuda_tree.extract_component(*c, staging, owners)
     assert (staging / "include/common.h").read_bytes() == b"same"
-    cuda.finalize_tree(staging)
+    cuda_tree.finalize_tree(staging)
     assert os.readlink(staging / "lib64") == "lib"
 
 
@@ -409,10 +411,10 @@ def test_rerun_on_finished_install_is_a_noop(tmp_path: Path, release: Release, s
     assert [r.path for r in server.requests[n_requests:]] == [MANIFEST_PATH]  # no archive fetched again
     assert (root / "cuda126" / RECEIPT).read_bytes() == before
     # the no-op is decided by receipt content and the installed file count
-    identity = cuda.receipt_identity(json.loads(before))
-    assert cuda.existing_state(root / "cuda126", identity) == ("same", "")
+    identity = cuda_tree.receipt_identity(json.loads(before))
+    assert cuda_tree.existing_state(root / "cuda126", identity) == ("same", "")
     (root / "cuda126/include/cub/cub.cuh").unlink()
-    state, reason = cuda.existing_state(root / "cuda126", identity)
+    state, reason = cuda_tree.existing_state(root / "cuda126", identity)
     assert state == "differs" and "modified after install" in reason
 
 
@@ -530,22 +532,22 @@ def test_receipt_without_file_list_is_refused_with_reinstall_advice(tmp_path: Pa
 
 
 def test_leftovers_of_killed_runs_are_cleaned_or_restored(tmp_path: Path):
-    console = cuda.Console(quiet=True)
+    console = cuda_download.Console(quiet=True)
     (tmp_path / ".cuda126-staging-41/bin").mkdir(parents=True)
     (tmp_path / ".cuda126-old-42/bin").mkdir(parents=True)  # --force run killed between its two renames
-    cuda.remove_stale(tmp_path, "cuda126", console)
+    cuda_tree.remove_stale(tmp_path, "cuda126", console)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cuda126"]
     assert (tmp_path / "cuda126/bin").is_dir()
     (tmp_path / ".cuda126-old-43").mkdir()  # killed after the new tree took the name: just delete
-    cuda.remove_stale(tmp_path, "cuda126", console)
+    cuda_tree.remove_stale(tmp_path, "cuda126", console)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cuda126"]
 
 
 def test_a_second_concurrent_run_is_refused(tmp_path: Path):
-    fd = cuda.acquire_lock(tmp_path, "cuda126")
+    fd = cuda_tree.acquire_lock(tmp_path, "cuda126")
     try:
         with pytest.raises(UserError, match="another prepare_v100_cuda.py run"):
-            cuda.acquire_lock(tmp_path, "cuda126")
+            cuda_tree.acquire_lock(tmp_path, "cuda126")
     finally:
         os.close(fd)
 
@@ -703,7 +705,7 @@ def test_dry_run_downloads_nothing(tmp_path: Path, release: Release, server, pin
     for name, (version, _, _) in COMPONENTS.items():
         line = next(ln for ln in proc.stdout.splitlines() if ln.strip().startswith(name + " "))
         assert server.url + relative_path(name, version) in line
-        assert cuda.format_bytes(len(release.archives[relative_path(name, version)])) in line
+        assert cuda_download.format_bytes(len(release.archives[relative_path(name, version)])) in line
     assert "dry run" in proc.stdout and "(pinned)" in proc.stdout
     assert [r.path for r in server.requests] == [MANIFEST_PATH]
     assert not root.exists()
