@@ -248,7 +248,8 @@ def main() -> int:
 
     import torch  # noqa: F401  (recorded in the environment receipt)
     from openjev.engine.classifier import weight_files
-    from openjev.engine.kernels import compute_bound, measure_matmul_peak, model_flops, path_label
+    from openjev.engine.flops import compute_bound, measure_matmul_peak, model_flops
+    from openjev.engine.kernels import path_label
 
     # units of work: single rows (exact), or batches of rows of similar length (the rows sorted by
     # length, then cut every --batch-size), the same whatever --workers is

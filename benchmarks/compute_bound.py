@@ -47,7 +47,7 @@ def main() -> int:
         raise UserError(f"{args.receipt} is not a bench receipt (kind {receipt.get('kind')!r})")
     mode, wall = median_wall(receipt)
     tokens = int(receipt["tokens"]["total_ids_sent_per_pass"])
-    from openjev.engine.kernels import compute_bound, measure_matmul_peak, model_flops
+    from openjev.engine.flops import compute_bound, measure_matmul_peak, model_flops
 
     dtype = "float32" if args.device == "cpu" else "float16"
     bound = compute_bound(measure_matmul_peak(args.device, dtype), dtype, model_flops(args.model, tokens), wall)

@@ -98,7 +98,7 @@ def test_linear_flops_count_the_text_matmuls_only(overlay):
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForSequenceClassification
 
-    from openjev.engine.kernels import linear_weight_elements, model_flops
+    from openjev.engine.flops import linear_weight_elements, model_flops
 
     model = AutoModelForSequenceClassification.from_pretrained(overlay)
     expect = sum(m.weight.numel() for n, m in model.named_modules()
@@ -110,7 +110,7 @@ def test_linear_flops_count_the_text_matmuls_only(overlay):
 def test_compute_bound_keeps_small_fractions_precise():
     """CI measured 0.0018 for 0.00184 (rounding to 4 decimals lost 2% of a CPU figure): the
     figures keep 4 significant digits, whatever their size."""
-    from openjev.engine.kernels import compute_bound
+    from openjev.engine.flops import compute_bound
 
     cb = compute_bound(0.1234567, "float32", flops=0.5 * 0.1234567e12 * 0.0183964, seconds=0.5)
     assert cb["peak_tflops"] == 0.1235 and cb["fraction_of_peak"] == 0.0184

@@ -177,8 +177,8 @@ def main() -> int:
 
     from openjev.engine.classifier import load_classifier, score_exact
     from openjev.engine.fused import apply_fused, remove_fused
-    from openjev.engine.kernels import (compile_pointwise, kernel_path, measure_matmul_peak, model_flops,
-                                        path_label)
+    from openjev.engine.flops import measure_matmul_peak, model_flops
+    from openjev.engine.kernels import compile_pointwise, kernel_path, path_label
     from openjev.engine.scheduler import length_groups
     from openjev.engine.warmup import warm_up
 

@@ -151,7 +151,8 @@ def main() -> int:
     import torch
 
     from openjev.engine.classifier import load_classifier, score_exact, score_padded
-    from openjev.engine.kernels import kernel_path, measure_matmul_peak, model_flops, path_label
+    from openjev.engine.flops import measure_matmul_peak, model_flops
+    from openjev.engine.kernels import kernel_path, path_label
 
     res: dict = {"tokens_file": str(args.tokens)}
     t0 = time.perf_counter()
