@@ -741,7 +741,8 @@ def probe(tmp_path_factory):
         pytest.skip(needs_sglang.kwargs["reason"])
     out = tmp_path_factory.mktemp("probe")
     env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "SGLANG_EXTERNAL_MODEL_PACKAGE": "sglang_openjev",
-           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), str(REPO / "app"),
+                                          os.environ.get("PYTHONPATH", "")])}
     if published_runtime_context():
         # sgl_kernel 0.4.10 (SGLang 0.5.23) cannot import without libcuda and falls back to a
         # `common_ops` module, which sglang_openjev_cpu provides (the project's stand-ins unless
