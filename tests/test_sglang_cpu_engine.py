@@ -86,8 +86,10 @@ PY = sys.executable
 
 
 def run(script: str, *args, timeout: float = 300) -> subprocess.CompletedProcess:
+    """An app/ script in this venv, which has the bundle's library on PYTHONPATH rather than installed."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
     proc = subprocess.run([PY, str(APP / script), *map(str, args)], capture_output=True, text=True, timeout=timeout,
-                          cwd=REPO)
+                          cwd=REPO, env=env)
     assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return proc
 
