@@ -58,7 +58,7 @@ test-sglang: sglang-venvs
 	  extra=""; $(foreach v,$(OPENJEV_SGLANG_VERSIONS),$(if $(SGLANG_EXTRA_TESTS_$(v)),if [ $$v = $(v) ]; then \
 	    extra="$(SGLANG_EXTRA_TESTS_$(v))"; echo "   and on $(v) only: $(SGLANG_EXTRA_TESTS_$(v))"; fi;)) \
 	  start=$$(date +%s); \
-	  OPENJEV_REQUIRE_SGLANG=1 build/sglang-venvs/$$v/bin/python -m pytest -rs -p no:cacheprovider $$deselect $(SGLANG_TESTS) $$extra || exit 1; \
+	  OPENJEV_REQUIRE_SGLANG=1 build/sglang-venvs/$$v/bin/python -m pytest -rs -p no:cacheprovider -n auto --dist loadfile $$deselect $(SGLANG_TESTS) $$extra || exit 1; \
 	  echo "== real SGLang $$v: done in $$(( $$(date +%s) - start )) s"; \
 	done
 
