@@ -20,15 +20,9 @@ readonly EXCLUDED_REQUIREMENTS="torch,torchvision,torchaudio,torchcodec,flashinf
 readonly BUILD_TOOLS="setuptools>=61 setuptools-scm>=8 setuptools-rust>=1.10 wheel scikit-build-core cmake ninja packaging"
 readonly NCCL_PIN=nvidia-nccl-cu12==2.27.5
 
-die() {
-    printf '%s: error: %s\n' "$PROG" "$*" >&2
-    exit 1
-}
-
-usage_error() {
-    printf '%s: error: %s (see --help)\n' "$PROG" "$*" >&2
-    exit 2
-}
+# die, usage_error, expand_home
+# shellcheck disable=SC1091
+source "$BUNDLE_ROOT/openjev/common.sh"
 
 say() { printf '%s: %s\n' "$PROG" "$*"; }
 
@@ -119,15 +113,6 @@ parse_args() {
         esac
         shift
     done
-}
-
-expand_home() {
-    local path=$1 tilde='~'
-    if [[ $path == "$tilde" || $path == "$tilde/"* ]]; then
-        [[ -n ${HOME:-} ]] || die "HOME is not set; cannot expand $path"
-        path=$HOME${path#"$tilde"}
-    fi
-    printf '%s' "$path"
 }
 
 resolve_paths() {

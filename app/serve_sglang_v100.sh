@@ -22,15 +22,9 @@ readonly DEFAULT_MAMBA_FULL_MEMORY_RATIO=3
 readonly ADAPTER_PACKAGE=sglang_openjev
 readonly DEFAULT_SGLANG_MODULE=sglang_openjev.launch_server
 
-die() {
-    printf '%s: error: %s\n' "$PROG" "$*" >&2
-    exit 1
-}
-
-usage_error() {
-    printf '%s: error: %s (see --help)\n' "$PROG" "$*" >&2
-    exit 2
-}
+# die, usage_error, expand_home
+# shellcheck disable=SC1091
+source "$BUNDLE_ROOT/openjev/common.sh"
 
 usage() {
     cat <<'EOF'
@@ -173,15 +167,6 @@ operator_gave() {
 add_default() {
     operator_gave "$1" && return 0
     CMD+=("$@")
-}
-
-expand_home() {
-    local path=$1 tilde='~'
-    if [[ $path == "$tilde" || $path == "$tilde/"* ]]; then
-        [[ -n ${HOME:-} ]] || die "HOME is not set; cannot expand $path"
-        path=$HOME${path#"$tilde"}
-    fi
-    printf '%s' "$path"
 }
 
 # ------------------------------------------------------------------ arguments

@@ -9,15 +9,9 @@ readonly SCRIPT_DIR
 readonly TEMPLATE_UNITS=(openjev-gateway.socket openjev-gateway.service openjev-replica@.service openjev.target)
 readonly TEMPLATE_HAPROXY=$SCRIPT_DIR/haproxy/openjev-gateway.cfg
 
-die() {
-    printf '%s: error: %s\n' "$PROG" "$*" >&2
-    exit 1
-}
-
-usage_error() {
-    printf '%s: error: %s (see --help)\n' "$PROG" "$*" >&2
-    exit 2
-}
+# die, usage_error, expand_home
+# shellcheck disable=SC1091
+source "$SCRIPT_DIR/../openjev/common.sh"
 
 usage() {
     cat <<'EOF'
@@ -104,15 +98,6 @@ EOF
 }
 
 # ------------------------------------------------------------------ helpers
-expand_home() {
-    local path=$1 tilde='~'
-    if [[ $path == "$tilde" || $path == "$tilde/"* ]]; then
-        [[ -n ${HOME:-} ]] || die "HOME is not set; cannot expand $path"
-        path=$HOME${path#"$tilde"}
-    fi
-    printf '%s' "$path"
-}
-
 # Absolute, normalised path (the directory need not exist).
 abspath() {
     local p

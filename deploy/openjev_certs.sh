@@ -5,15 +5,9 @@ set -euo pipefail
 
 readonly PROG=openjev_certs.sh
 
-die() {
-    printf '%s: error: %s\n' "$PROG" "$*" >&2
-    exit 1
-}
-
-usage_error() {
-    printf '%s: error: %s (see --help)\n' "$PROG" "$*" >&2
-    exit 2
-}
+# die, usage_error, expand_home
+# shellcheck disable=SC1091
+source "$(dirname -- "${BASH_SOURCE[0]}")/../openjev/common.sh"
 
 usage() {
     cat <<'EOF'

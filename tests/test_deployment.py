@@ -332,6 +332,8 @@ def test_verify_catches_a_broken_unit(overlay, tmp_path):
     """The check is real: a template with a typo'd key fails the install, nothing is written."""
     copy = tmp_path / "deploy"
     shutil.copytree(REPO / "deploy", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "openjev").mkdir()
+    shutil.copy(REPO / "openjev" / "common.sh", tmp_path / "openjev")  # what the deploy scripts source
     svc = copy / "systemd" / "openjev-replica@.service"
     svc.write_text(svc.read_text().replace("KillSignal=SIGTERM", "KilSignal=SIGTERM"))
     proc = subprocess.run(["bash", str(copy / "install_units.sh"), "--bundle", REPO, "--root", tmp_path, "--model",
