@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import fcntl
 import os
 import signal
 import subprocess
@@ -41,7 +40,8 @@ import sys
 from pathlib import Path
 
 from openjev import history
-from openjev.common import PRODUCTION_PORT, UserError, atomic_write_json, run_main, utc_now
+from openjev.common import (PRODUCTION_PORT, UserError, atomic_write_json, run_main, try_exclusive_lock,
+                            utc_now)
 from openjev.tune.processes import child_preexec
 from openjev.tune.profiles import ENV_KEY_RE, RESERVED_ENV, make_profile, parse_set
 
@@ -89,19 +89,6 @@ def server_profile(args: argparse.Namespace) -> dict:
     return prof.to_json()
 
 
-def take_lock(history: Path):
-    fd = os.open(history / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        return None, holder
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd, None
-
-
 def main() -> int:
     args = build_parser().parse_args()
     if args.port == PRODUCTION_PORT:
@@ -117,7 +104,7 @@ def main() -> int:
         raise UserError(f"--checkpoint {args.checkpoint}: not a directory")
     profile = server_profile(args)
     args.history.mkdir(parents=True, exist_ok=True)
-    fd, holder = take_lock(args.history)
+    fd, holder = try_exclusive_lock(args.history / ".lock")
     if fd is None:
         print(f"bench_scheduled_v100.py: another scheduled run (pid {holder}) holds {args.history}/.lock; not started")
         return EXIT_LOCKED

@@ -301,3 +301,21 @@ def ids_sha256(rows: list[list[int]]) -> str:
         h.update(json.dumps(r, separators=(",", ":")).encode())
         h.update(b"\n")
     return h.hexdigest()
+
+
+def try_exclusive_lock(path: Path) -> tuple[int | None, str]:
+    """A non-blocking flock on PATH that records this process's pid in it: (fd, "") when taken,
+    (None, holder pid) when another process holds it. filelock is not used here: it truncates the
+    file on every attempt, so a refused run could not name the holder."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        return None, holder
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd, ""

@@ -4,7 +4,6 @@ receipt, the lock, and the atomic swap into place."""
 from __future__ import annotations
 
 import errno
-import fcntl
 import filecmp
 import json
 import lzma
@@ -15,7 +14,8 @@ import tarfile
 from pathlib import Path, PurePosixPath
 from typing import Iterable, Sequence
 
-from openjev.common import UserError, atomic_write_json, environment_receipt, sha256_file, utc_now
+from openjev.common import (UserError, atomic_write_json, environment_receipt, sha256_file,
+                            try_exclusive_lock, utc_now)
 from openjev.cuda.download import CHUNK, Console, format_bytes, one_line
 from openjev.cuda.manifest import ComponentPlan, ManifestSource
 
@@ -307,14 +307,9 @@ def _describe_difference(old: dict, new: dict) -> str:
 
 def acquire_lock(root: Path, dirname: str):
     lock_path = root / f".{dirname}.lock"
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise UserError(f"another prepare_v100_cuda.py run holds {lock_path}; wait for it to finish") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
+    fd, holder = try_exclusive_lock(lock_path)
+    if fd is None:
+        raise UserError(f"another prepare_v100_cuda.py run (pid {holder}) holds {lock_path}; wait for it to finish")
     return fd
 
 

@@ -257,14 +257,14 @@ def pin_autotuners(prefix: str, path: Path, tune, meta: dict) -> dict:
     written to `path` (atomically, under a lock, so concurrent processes agree on one file) and
     used. Each pinned autotuner is left a single configuration, so Triton no longer tunes it
     for new shapes. Returns the record kept in kernel_path()["fla_configs"]."""
-    import fcntl
     import hashlib
+
+    from filelock import FileLock
 
     tuners = _autotuners(prefix)
     path.parent.mkdir(parents=True, exist_ok=True)
     tuned_here = False
-    with open(path.parent / (path.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with FileLock(path.parent / (path.name + ".lock")):
         if path.exists():
             data = _read_pins(path)
         else:
