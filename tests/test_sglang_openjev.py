@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 import strict_loading_cases
 
-from sglang_openjev import contract, launch_server, pooling, routes, warmup, weights
+from sglang_openjev import checkpoint, contract, launch_server, pooling, routes, warmup, weights
 
 LABELS = {0: "contradiction", 1: "entailment", 2: "neutral"}
 TEXT_CONFIG = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
@@ -228,9 +228,9 @@ def test_argv_steps():
      "does not follow full_attention_interval=4"),
 ])
 def test_checkpoint_config_refusals(change, message):
-    launch_server.check_checkpoint_config(good_config())
+    checkpoint.check_checkpoint_config(good_config())
     with pytest.raises(launch_server.LaunchError, match=message):
-        launch_server.check_checkpoint_config({**good_config(), **change})
+        checkpoint.check_checkpoint_config({**good_config(), **change})
 
 
 def tiny_model_config(shape: str, interval: bool = True) -> dict:
@@ -257,11 +257,11 @@ def test_every_tiny_model_shape_passes_the_launcher_preflight(shape):
     """make_tiny_model writes the interval as the published configs do; without it (Transformers keeps only
     layer_types for a config built from keyword arguments) the launcher derives it and passes it on."""
     config = tiny_model_config(shape)
-    assert launch_server.check_checkpoint_config(config) is None
+    assert checkpoint.check_checkpoint_config(config) is None
     layer_types = config["text_config"]["layer_types"]
-    assert launch_server.interval_layout(config["text_config"]["full_attention_interval"], len(layer_types)) == layer_types
-    interval = launch_server.check_checkpoint_config(tiny_model_config(shape, interval=False))
-    assert launch_server.interval_layout(interval, len(layer_types)) == layer_types
+    assert checkpoint.interval_layout(config["text_config"]["full_attention_interval"], len(layer_types)) == layer_types
+    interval = checkpoint.check_checkpoint_config(tiny_model_config(shape, interval=False))
+    assert checkpoint.interval_layout(interval, len(layer_types)) == layer_types
     argv, note = launch_server.with_layout_override(["--model-path", "/m"], interval, STOCK_0_5_23)
     assert json.loads(argv[argv.index("--json-model-override-args") + 1]) == {
         "text_config": {"full_attention_interval": interval}}
