@@ -124,17 +124,11 @@ def _default_env(var: str, value: str, key: str, reason: str) -> dict:
 def batch_invariant_blas() -> dict:
     """Run cuBLAS without a workspace unless the operator chose CUBLAS_WORKSPACE_CONFIG.
 
-    Measured on the H200 (benchmarks/experiments/embedded_gpu_divergence.py,
-    results_h200/embedded_gpu/call7-divergence, call8-blas): with PyTorch's default workspace,
-    cuBLAS splits the K dimension of the MLP's down projection (K 9216, N 2560) for short rows and
-    not for a padded batch of them, so the same row's output differed in the last bits between an
-    exact and a padded forward; every other linear layer, norm and the GDN kernels were bitwise
-    batch-invariant. Without a workspace cuBLAS cannot split K and the down projection became
-    batch-invariant too; padded passes took 3.16 s for 128 rows with it (call 8) and 3.15 s without
-    (call 7), on two lent machines: not a same-machine comparison. PyTorch reads the variable once,
-    at its first cuBLAS call, so this runs when openjev/engine/kernels.py is imported (load_classifier imports
-    it before any GPU work); if CUDA was already initialised then, a cuBLAS handle made before may
-    keep its workspace, and the record says so."""
+    With a workspace cuBLAS may split K of the MLP's down projection for short rows but not for a
+    padded batch, so a row's logits would depend on its batch; without one, padded == exact
+    (measured on the H200: V100.md section 8; results_h200/embedded_gpu/call7-divergence,
+    call8-blas). PyTorch reads the variable at its first cuBLAS call, so this runs at import; a
+    warning is recorded if CUDA was initialised first."""
     out = _default_env(BLAS_WORKSPACE_ENV, BLAS_WORKSPACE, "cublas_workspace_config",
                        "no split-K: GEMM rows independent of the batch (padded == exact arithmetic)")
     torch = sys.modules.get("torch")
@@ -152,15 +146,9 @@ def shared_autotuning() -> dict:
     """Keep Triton's autotuning choices on disk (TRITON_CACHE_AUTOTUNING=1) unless the operator
     chose otherwise, so every process of this machine runs the same fla kernel configurations.
 
-    flash-linear-attention autotunes its kernels by timing (block sizes, dot precision, warps),
-    and a different choice changes the last bits. Measured on the H200
-    (results_h200/embedded_gpu/call12-autotune): the reference scorer and two server processes of
-    one machine, each tuning for itself, gave logits that differed in every row (the server vs
-    the reference: max |dp_e| 0.00226); in call 11 they happened to choose alike (0). With the
-    choices cached, the first process to tune a kernel (its key: head counts and dims, not the
-    sequence length) writes them under Triton's cache directory (TRITON_CACHE_DIR, default
-    ~/.triton/cache) and the others read them. Triton reads the variable when fla defines its
-    kernels, so this runs when openjev/engine/kernels.py is imported, before fla is."""
+    fla autotunes by timing and a different choice changes the last bits (measured on the H200:
+    V100.md section 9; results_h200/embedded_gpu/call12-autotune). Triton reads the variable when
+    fla defines its kernels, so this runs at import, before fla is."""
     out = _default_env(AUTOTUNE_CACHE_ENV, "1", "triton_cache_autotuning",
                        "fla's autotuned configurations shared by every process (same kernels, same bits)")
     if out["set_by"] == "openjev" and "fla" in sys.modules:
