@@ -30,8 +30,15 @@ SGLANG_EXTRA_TESTS_0.5.23 := tests/test_sglang_cpu_engine.py
 # pytest-xdist, then the serial tests alone), then the SGLang
 # adapter/launcher tests in each real-SGLang venv (OPENJEV_REQUIRE_SGLANG=1 turns their
 # "sglang not importable" skips into failures there).
-test: venv provision sglang-venvs
-	$(PY) -m pytest -rs -n auto -m "not serial" tests
+# The real-SGLang venvs (mostly unpacking wheels) are built in the background while the main suite
+# runs; their log is printed when both are done.
+test: venv provision
+	@mkdir -p build; log=build/sglang-venvs.log; \
+	  $(MAKE) --no-print-directory sglang-venvs >$$log 2>&1 & venvs=$$!; \
+	  echo "real-SGLang venvs: built in the background beside the main suite (log: $$log)"; \
+	  $(PY) -m pytest -rs -n auto -m "not serial" tests; rc=$$?; \
+	  wait $$venvs; vrc=$$?; cat $$log; \
+	  [ $$rc -eq 0 ] || exit $$rc; [ $$vrc -eq 0 ] || { echo "real-SGLang venvs: failed (log above)"; exit $$vrc; }
 	$(PY) -m pytest -rs -m serial tests
 	$(MAKE) --no-print-directory test-sglang
 
