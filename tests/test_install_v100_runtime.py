@@ -228,7 +228,9 @@ def test_dry_run_commands_are_valid_shell(tmp_path, patch_dir):
 def test_dry_run_states_pins_and_prerequisites(tmp_path, patch_dir):
     proc = dry_run(tmp_path, patch_dir, env={"PATH": "/usr/bin:/bin"})
     assert "note: rustup_sha256 is null" in proc.stdout and "--allow-unpinned" in proc.stdout
-    assert "note: protoc_sha256 is null" in proc.stdout
+    assert "protoc_sha256 is null" not in proc.stdout  # pinned in HF_SOURCE.json from two public sources
+    protoc = next(cmd for _, stage, cmd, _ in plan_steps(proc.stdout) if stage == "protoc")
+    assert SOURCES['protoc']['sha256'] in protoc and "sha256sum -c" in protoc
     assert "prepare_v100_cuda.py" in proc.stdout  # no private toolkit under this root yet
     unpinned = dry_run(tmp_path, patch_dir, "--allow-unpinned")
     assert "used unverified (--allow-unpinned, recorded in the receipt)" in unpinned.stdout
