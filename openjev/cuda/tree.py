@@ -186,16 +186,6 @@ def finalize_tree(staging: Path) -> None:
                     raise UserError(f"symlink {os.path.relpath(path, staging)} resolves outside the toolkit")
 
 
-def count_installed(tree: Path) -> int:
-    """Files and symlinks in the tree, without the receipt."""
-    n = 0
-    for dirpath, dirnames, filenames in os.walk(tree):
-        n += len(filenames) + sum(1 for d in dirnames if os.path.islink(os.path.join(dirpath, d)))
-    if (tree / RECEIPT_NAME).exists():
-        n -= 1
-    return n
-
-
 def tree_inventory(tree: Path, with_sha256: bool) -> dict[str, dict]:
     """Every file and symlink in the tree (not the receipt), by POSIX relative path.
 
