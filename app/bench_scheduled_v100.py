@@ -43,7 +43,7 @@ from openjev import history
 from openjev.common import (PRODUCTION_PORT, UserError, atomic_write_json, run_main, try_exclusive_lock,
                             utc_now)
 from openjev.tune.processes import child_preexec
-from openjev.tune.profiles import ENV_KEY_RE, RESERVED_ENV, make_profile, parse_set
+from openjev.tune.profiles import ENV_KEY_RE, RESERVED_ENV, check_set_files, make_profile, parse_set
 
 EXIT_LOCKED = 75
 TUNE_SCRIPT = Path(__file__).resolve().parent / "tune_sglang_v100.py"
@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-runs", type=int, default=history.DEFAULTS["baseline_runs"], help="verdict: N (default: 5)")
     p.add_argument("--mad-k", type=float, default=history.DEFAULTS["mad_k"], help="verdict: k (default: 4)")
     p.add_argument("--rel-floor", type=float, default=history.DEFAULTS["rel_floor"], help="verdict: floor (default: 0.10)")
+    p.add_argument("--check-only", action="store_true",
+                   help="check the arguments and the sets' files as a run would, then exit 0 without running "
+                        "(deploy/install_units.sh --bench-timer runs this before it installs the job)")
     p.add_argument("--max-dp-e", type=float, default=history.DEFAULTS["max_dp_e"], help="verdict: |dp_e| bound (default: 0.02)")
     return p
 
@@ -89,8 +92,8 @@ def server_profile(args: argparse.Namespace) -> dict:
     return prof.to_json()
 
 
-def main() -> int:
-    args = build_parser().parse_args()
+def check_arguments(args: argparse.Namespace) -> tuple[list, dict]:
+    """The run's arguments checked before anything starts: (input sets, server profile)."""
     if args.port == PRODUCTION_PORT:
         raise UserError(f"--port {PRODUCTION_PORT} is the production endpoint; use a development port")
     if not 1 <= args.port <= 65535:
@@ -102,7 +105,17 @@ def main() -> int:
         raise UserError("--set names must be distinct")
     if not args.checkpoint.is_dir():
         raise UserError(f"--checkpoint {args.checkpoint}: not a directory")
-    profile = server_profile(args)
+    return sets, server_profile(args)
+
+
+def main() -> int:
+    args = build_parser().parse_args()
+    sets, profile = check_arguments(args)
+    if args.check_only:
+        for s in sets:
+            check_set_files(s, args.truncate)
+        print(f"bench arguments OK: {len(sets)} set(s), checkpoint {args.checkpoint}, port {args.port}, GPU {args.gpu}")
+        return 0
     args.history.mkdir(parents=True, exist_ok=True)
     fd, holder = try_exclusive_lock(args.history / ".lock")
     if fd is None:

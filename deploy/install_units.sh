@@ -341,12 +341,47 @@ for g in "${GPUS[@]}"; do
     } >"$STAGE/conf/replica-$g.env"
 done
 
+# One ExecStart= word: % and $ escaped, quoted when it holds a space, quote or backslash.
+systemd_word() {
+    local w=${1//%/%%}
+    w=${w//\$/\$\$}
+    if [[ $w =~ [[:space:]\"\'\\] ]]; then
+        w=${w//\\/\\\\}
+        w=${w//\"/\\\"}
+        w="\"$w\""
+    fi
+    printf '%s' "$w"
+}
+
+# --bench-args split as a shell would (quotes keep spaces) into BENCH_WORDS, then checked by the
+# bench's own parser and input checks (--check-only), from the directory the unit will run in.
+check_bench_args() {
+    [[ -x $BENCH_PYTHON ]] || die "--bench-python $BENCH_PYTHON is not an executable Python (the runtime venv's)"
+    local out
+    # shellcheck disable=SC2016
+    out=$("$BENCH_PYTHON" -c 'import shlex, sys
+try:
+    print("\n".join(shlex.split(sys.argv[1])))
+except ValueError as exc:
+    sys.exit(f"error: {exc}")' "$BENCH_ARGS" 2>&1) || die "--bench-args: cannot split ${BENCH_ARGS@Q}: ${out#error: }"
+    mapfile -t BENCH_WORDS <<<"$out"
+    local dir=$ROOT
+    [[ -d $dir ]] || dir=/
+    out=$(cd "$dir" && OPENJEV_V100_ROOT=$ROOT OPENJEV_BACKEND=$BACKEND PYTHONPATH=$BUNDLE \
+        "$BENCH_PYTHON" "$BUNDLE/app/bench_scheduled_v100.py" --check-only --checkpoint "$MODEL" \
+        "${BENCH_WORDS[@]}" 2>&1) || {
+        out=$(grep ': error: ' <<<"$out" | tail -n 1)
+        die "--bench-args: the bench refuses them: ${out#*: error: }"
+    }
+}
+
 # Opt-in scheduled benchmark: a oneshot service and its timer.
 BENCH_UNITS=()
 if [[ -n $BENCH_TIMER ]]; then
     [[ -n $BENCH_ARGS ]] || usage_error "--bench-timer needs --bench-args (--history DIR --gpu N --port P --set ...)"
     [[ $BENCH_TIMER != *$'\n'* && $BENCH_ARGS != *$'\n'* ]] || usage_error "--bench-timer / --bench-args: one line"
     BENCH_PYTHON=${BENCH_PYTHON_ARG:-$ROOT/venv/bin/python}
+    check_bench_args
     {
         header "install_units.sh --bench-timer"
         printf '[Unit]\nDescription=OpenJEV scheduled benchmark (development server, never the production port)\n'
@@ -355,7 +390,12 @@ if [[ -n $BENCH_TIMER ]]; then
         printf 'Environment=OPENJEV_V100_ROOT=%s\nEnvironment=OPENJEV_BACKEND=%s\nWorkingDirectory=%s\n' \
             "$ROOT" "$BACKEND" "$ROOT"
         printf '# Exit 3 = regression, 1 = failure, 75 = another run holds the lock: the unit then shows failed.\n'
-        printf 'ExecStart=%s %s/app/bench_scheduled_v100.py --checkpoint %s %s\n' "$BENCH_PYTHON" "$BUNDLE" "$MODEL" "$BENCH_ARGS"
+        printf 'Environment=PYTHONPATH=%s\n' "$BUNDLE"
+        line=ExecStart=
+        for word in "$BENCH_PYTHON" "$BUNDLE/app/bench_scheduled_v100.py" --checkpoint "$MODEL" "${BENCH_WORDS[@]}"; do
+            line+="$(systemd_word "$word") "
+        done
+        printf '%s\n' "${line% }"
         printf 'TimeoutStartSec=6h\nSyslogIdentifier=openjev-bench\n'
     } >"$STAGE/units/openjev-bench.service"
     {

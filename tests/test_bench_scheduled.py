@@ -180,17 +180,55 @@ def install_bench(tmp_path, *extra) -> subprocess.CompletedProcess:
                            "--bench-python", PY, *extra], capture_output=True, text=True, timeout=120)
 
 
+def bench_set(tmp_path, sample_tokens, reference, folder="sets") -> str:
+    """A real input set (inputs, tokens, reference) copied under tmp_path/folder."""
+    d = tmp_path / folder
+    d.mkdir()
+    shutil.copy(SAMPLE, d / "in.jsonl")
+    shutil.copy(sample_tokens, d / "in.tokens.jsonl")
+    shutil.copytree(reference, d / "ref")
+    return f"G={d / 'in.jsonl'},{d / 'in.tokens.jsonl'},{d / 'ref'}"
+
+
 @pytest.mark.skipif(not (shutil.which("systemd-analyze") and shutil.which("haproxy")),
                     reason="systemd-analyze and haproxy are needed to verify the rendered units")
-def test_install_units_renders_a_verified_bench_timer(tmp_path):
-    args = "--history /var/tmp/h --gpu 1 --port 31001 --set G=G.jsonl,G.tokens.jsonl,ref_G"
+def test_install_units_renders_a_verified_bench_timer(tmp_path, sample_tokens, reference):
+    from openjev_testsupport.unit_files import expand_command
+
+    the_set = bench_set(tmp_path, sample_tokens, reference, folder="my sets")  # a path with a space
+    args = f"--history /var/tmp/h --gpu 1 --port 31001 --set '{the_set}'"
     r = install_bench(tmp_path, "--bench-timer", "*-*-* 03:17:00", "--bench-args", args)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "verify passed" in r.stdout and "openjev-bench.service openjev-bench.timer" in r.stdout
     for line in ("OnCalendar=*-*-* 03:17:00", "Persistent=true", "RandomizedDelaySec=10min", "Type=oneshot",
-                 f"ExecStart={PY} {REPO}/app/bench_scheduled_v100.py --checkpoint {tmp_path / 'model'} {args}"):
+                 f"Environment=PYTHONPATH={REPO}"):
         assert line in r.stdout
+    exec_start = next(x for x in r.stdout.splitlines() if x.startswith("ExecStart=") and "bench_scheduled" in x)
+    assert expand_command(exec_start.partition("=")[2], {}) == [
+        PY, f"{REPO}/app/bench_scheduled_v100.py", "--checkpoint", str(tmp_path / "model"), "--history", "/var/tmp/h",
+        "--gpu", "1", "--port", "31001", "--set", the_set]  # the space kept inside its word
     bad = install_bench(tmp_path, "--bench-timer", "bogus day", "--bench-args", args)
     assert bad.returncode != 0 and "calendar" in bad.stderr and not (tmp_path / "units").exists()
     missing = install_bench(tmp_path, "--bench-timer", "daily")
     assert missing.returncode != 0 and "--bench-args" in missing.stderr
+
+
+def test_install_units_refuses_bench_args_the_bench_would_refuse(tmp_path, sample_tokens, reference):
+    """The nightly job's arguments are checked with the bench's own parser at install time: a typo,
+    a bad value, the production port or a missing set file is refused with one line, nothing installed."""
+    the_set = bench_set(tmp_path, sample_tokens, reference)
+    good = f"--history /var/tmp/h --gpu 1 --port 31001 --set {the_set}"
+    cases = {
+        good.replace("--history", "--histroy"): "required: --history",
+        good + " --repetitons 3": "unrecognized arguments: --repetitons 3",
+        good.replace("--gpu 1", "--gpu one"): "argument --gpu: invalid int value: 'one'",
+        good.replace("--port 31001", "--port 31000"): "--port 31000 is the production endpoint",
+        good.replace("in.tokens.jsonl", "missing.tokens.jsonl"): "missing.tokens.jsonl",
+        good + " --set 'unclosed": "--bench-args",
+    }
+    for args, expect in cases.items():
+        r = install_bench(tmp_path, "--bench-timer", "daily", "--bench-args", args)
+        lines = error_lines(r.stderr)
+        assert r.returncode != 0 and len(lines) == 1 and "--bench-args" in lines[0] and expect in lines[0], (
+            args, r.stderr)
+        assert not (tmp_path / "units").exists()
