@@ -7,7 +7,10 @@ reference the SGLang path is compared against. Same wire contract as the SGLang 
 
   POST /classify       {"input_ids": [[...], ...]} | {"input_ids": [...]} | {"text": ...} -> raw C/E/N logits
   POST /v1/classify    vLLM / SGLang classify shape (softmax probs; raw with "use_activation": false)
-  GET  /health         200 when ready, 503 while the model loads
+  GET  /health         200 when ready, 503 while the model loads (HEAD too)
+  POST /tokenize       vLLM's shape: text -> token ids (the model's tokenizer)
+  POST /detokenize     vLLM's shape: token ids -> text
+  GET  /metrics        Prometheus text: requests, rows, tokens, steps, queue, errors
   POST /flush_cache    no prefix cache here: answers 200 and says so (counted in /server_info)
   GET  /server_info    backend, model, dtype, device, limits, counters, bundle git revision
   GET  /v1/models      the served model, for OpenAI-style clients
@@ -37,6 +40,8 @@ from pathlib import Path
 
 from openjev.common import UserError, bind_listen_socket, run_main
 from openjev.engine.scheduler import Engine
+
+DRAIN_ANSWER_SECONDS = 2  # after the drain window: time to write the 503s before uvicorn cancels handlers
 from openjev.http_front import coalescing_h11_protocol, create_app, release_large_allocations_to_the_os
 from sglang_openjev import contract
 
@@ -75,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-radix-cache", action="store_true", help="accepted for launcher parity (no cache here)")
     p.add_argument("--served-model-name", default=None, help="model name in responses (default: the checkpoint directory name)")
     p.add_argument("--step-token-budget", type=int, default=_env_int("OPENJEV_STEP_TOKEN_BUDGET", 16384),
-                   help="tokens per scheduling step: a larger request is split over steps, rows of queued requests "
-                        "take turns, and a step's rows are grouped by length into forwards of at most "
+                   help="tokens per scheduling step: a larger request is split over steps, the requests served the "
+                        "fewest tokens go first (a small request behind large ones runs in the next step), and a step's rows are grouped by length into forwards of at most "
                         "--max-running-requests rows (default: 16384, env OPENJEV_STEP_TOKEN_BUDGET)")
     p.add_argument("--max-body-bytes", type=int, default=_env_int("OPENJEV_MAX_BODY_BYTES", contract.DEFAULT_MAX_BODY_BYTES),
                    help="a larger request body gets 413 before it is parsed (default: 32 MiB, env OPENJEV_MAX_BODY_BYTES)")
@@ -86,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watchdog-seconds", type=float, default=float(_env_int("OPENJEV_WATCHDOG_SECONDS", 120)),
                    help="/health answers 503 when queued work has made no progress for this long, so a gateway "
                         "routes away; 0 turns it off (default: 120, env OPENJEV_WATCHDOG_SECONDS)")
+    p.add_argument("--drain-seconds", type=float, default=float(_env_int("OPENJEV_DRAIN_SECONDS", 30)),
+                   help="on SIGTERM, admitted requests get this long to finish; one that cannot gets 503 with "
+                        "Retry-After before the server exits, never a dropped connection; /health answers 503 "
+                        "meanwhile (default: 30, env OPENJEV_DRAIN_SECONDS)")
     p.add_argument("--torch-threads", type=int, default=_env_int("OPENJEV_TORCH_THREADS", 0),
                    help="torch intra-op threads; 0 = auto: cores - 1 on a CPU (1 on a 2-core machine), leaving a "
                         "core to the HTTP loop and tokenizer (default: 0, env OPENJEV_TORCH_THREADS)")
@@ -104,10 +113,12 @@ def main() -> int:
     args = build_parser().parse_args()
     if args.max_running_requests < 1 or args.max_batch_size < 1 or args.context_length < 2:
         raise UserError("--max-running-requests and --max-batch-size must be >= 1, --context-length >= 2")
+    if not 0 < args.port < 65536:
+        raise UserError(f"port {args.port} is out of range: give a TCP port from 1 to 65535")
     if args.step_token_budget < 1 or args.max_body_bytes < 1 or args.max_text_chars < 1:
         raise UserError("--step-token-budget, --max-body-bytes and --max-text-chars must be >= 1")
-    if args.watchdog_seconds < 0 or args.torch_threads < 0:
-        raise UserError("--watchdog-seconds and --torch-threads must not be negative")
+    if args.watchdog_seconds < 0 or args.torch_threads < 0 or args.drain_seconds < 0:
+        raise UserError("--watchdog-seconds, --drain-seconds and --torch-threads must not be negative")
     if not (args.checkpoint / "config.json").is_file():
         raise UserError(f"{args.checkpoint} is not a model directory (no config.json)")
     from openjev.engine.fused import fused_mode
@@ -124,8 +135,15 @@ def main() -> int:
     engine = Engine(args)
     engine.allocator = allocator
     config = uvicorn.Config(create_app(engine), log_level=args.log_level, access_log=args.access_log,
-                            timeout_graceful_shutdown=30, lifespan="off", http=coalescing_h11_protocol())
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=args.drain_seconds + DRAIN_ANSWER_SECONDS, lifespan="off",
+                            http=coalescing_h11_protocol())
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            engine.begin_drain(args.drain_seconds)
+            super().handle_exit(sig, frame)
+
+    server = DrainingServer(config)
 
     def failed() -> None:
         server.should_exit = True

@@ -6,7 +6,11 @@ Starts app/serve_transformers.py with its default settings on a free 127.0.0.1 p
      cycled from the tokenized sample; latency p50/p90/p99/max, throughput, errors, and every
      returned row compared bitwise with the reference scorer's logits (mismatches counted);
   2. /health latency (polled every 20 ms) while one 20 MB `text` request is in flight, with that
-     request's status and wall time, and the server's RSS before and after it.
+     request's status and wall time, and the server's RSS before and after it;
+  3. mixed load: T tries of three big requests (R rows x 8191 tokens each) and, once they are
+     being served, one 1-row request: how many scheduling steps and seconds the 1-row request
+     took, and the big requests' tokens per second.
+`--phases` picks among load, big-text and mixed (default: all).
 `--also-threads K` repeats the load phase on a second server started with OPENJEV_TORCH_THREADS=K
 (e.g. 2: torch's own default on a 2-core machine) for comparison.
 
@@ -55,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--big-mb", type=float, default=20.0, help="size of the big text request in MB (default: 20)")
     p.add_argument("--also-threads", type=int, default=None,
                    help="repeat the load phase with OPENJEV_TORCH_THREADS=K on a second server")
+    p.add_argument("--phases", default="load,big-text,mixed", help="comma-separated phases to run (default: all)")
+    p.add_argument("--mixed-tries", type=int, default=20, help="tries of the mixed phase (default: 20)")
+    p.add_argument("--mixed-big-rows", type=int, default=4, help="rows of each big request in the mixed phase (default: 4)")
     p.add_argument("--machine-label", default=None, help="machine label (default: CPU model and count)")
     return p
 
@@ -205,13 +212,60 @@ def health_under_big_text(url: str, pid: int, mb: float) -> dict:
             "rss_after_over_before": round(rss_after / rss_before, 4)}
 
 
+LONG = 8191  # the longest input at the default 8192 context
+
+
+def mixed_phase(url: str, tries: int, big_rows: int) -> dict:
+    """The 1-row request's wait, in scheduling steps (/server_info's step counter just before it is
+    sent and just after its answer) and seconds, while three big requests fill every step."""
+    steps = lambda: requests.get(f"{url}/server_info", timeout=30).json()["counters"]["steps"]  # noqa: E731
+    small_steps, small_s, big_tok_s, errors = [], [], [], []
+    for t in range(tries):
+        done: list[float] = []
+
+        def big(k: int) -> None:
+            r = requests.post(f"{url}/classify", json={"input_ids": [[5 + k] * LONG] * big_rows}, timeout=1200)
+            done.append(time.perf_counter())
+            if r.status_code != 200:
+                errors.append(f"big HTTP {r.status_code}")
+
+        start = steps()
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=big, args=(k,)) for k in range(3)]
+        for th in threads:
+            th.start()
+            time.sleep(0.05)
+        while steps() < start + 1:
+            time.sleep(0.01)
+        before = steps()
+        s0 = time.perf_counter()
+        r = requests.post(f"{url}/classify", json={"input_ids": [[1, 2, 3]]}, timeout=1200)
+        small_s.append(time.perf_counter() - s0)
+        small_steps.append(steps() - before)
+        if r.status_code != 200:
+            errors.append(f"small HTTP {r.status_code}")
+        for th in threads:
+            th.join()
+        big_tok_s.append(3 * big_rows * LONG / (max(done) - t0))
+        print(f"  try {t + 1}/{tries}: 1-row request {small_steps[-1]} steps, {small_s[-1]:.3f} s", file=sys.stderr)
+    return {"tries": tries, "big_requests": 3, "big_rows": big_rows, "big_row_tokens": LONG, "errors": errors,
+            "small_steps": {"p50": pct(small_steps, 50), "p99": pct(small_steps, 99), "max": max(small_steps)},
+            "small_seconds": {"p50": pct(small_s, 50), "p99": pct(small_s, 99), "max": round(max(small_s), 6)},
+            "big_tokens_per_s": {"median": pct(big_tok_s, 50), "min": round(min(big_tok_s), 2),
+                                 "max": round(max(big_tok_s), 2)},
+            "small_steps_each": small_steps}
+
+
 def main() -> int:
     args = build_parser().parse_args()
     out = args.out.resolve()
     if (REPO / "results_v100") in out.parents:
         raise UserError("results_v100/ holds V100 figures only; write CPU receipts under benchmarks/results_cpu/")
-    if args.clients < 1 or args.requests < 1 or args.big_mb <= 0:
-        raise UserError("--clients and --requests must be >= 1, --big-mb > 0")
+    if args.clients < 1 or args.requests < 1 or args.big_mb <= 0 or args.mixed_tries < 1 or args.mixed_big_rows < 1:
+        raise UserError("--clients, --requests, --mixed-tries and --mixed-big-rows must be >= 1, --big-mb > 0")
+    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    if not phases or set(phases) - {"load", "big-text", "mixed"}:
+        raise UserError(f"--phases: expected a comma-separated subset of load,big-text,mixed, got {args.phases!r}")
     receipt = {"kind": "openjev-serving-front-bench", "schema_version": 1, "made_by": "benchmarks/bench_serving_front.py",
                "started_at": utc_now(), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
                "machine": {**machine(args.machine_label), "load_average_before": list(os.getloadavg())}}
@@ -220,14 +274,19 @@ def main() -> int:
         model, rows, ref = prepare(tmp, args.model)
         srv = Server(model, tmp / "server.log")
         try:
-            print(f"load: {args.clients} clients x {args.requests} requests ...", file=sys.stderr)
-            receipt["load_default"] = load_phase(srv.url, rows, ref, args.clients, args.requests)
-            print(f"/health while a {args.big_mb:g} MB text request is in flight ...", file=sys.stderr)
-            receipt["health_under_big_text"] = health_under_big_text(srv.url, srv.proc.pid, args.big_mb)
+            if "load" in phases:
+                print(f"load: {args.clients} clients x {args.requests} requests ...", file=sys.stderr)
+                receipt["load_default"] = load_phase(srv.url, rows, ref, args.clients, args.requests)
+            if "big-text" in phases:
+                print(f"/health while a {args.big_mb:g} MB text request is in flight ...", file=sys.stderr)
+                receipt["health_under_big_text"] = health_under_big_text(srv.url, srv.proc.pid, args.big_mb)
+            if "mixed" in phases:
+                print(f"mixed: {args.mixed_tries} tries of 3 big requests and a 1-row one ...", file=sys.stderr)
+                receipt["mixed_load"] = mixed_phase(srv.url, args.mixed_tries, args.mixed_big_rows)
             receipt["server_info"] = requests.get(f"{srv.url}/server_info", timeout=10).json()
         finally:
             srv.stop()
-        if args.also_threads:
+        if args.also_threads and "load" in phases:
             srv = Server(model, tmp / "server2.log", env={"OPENJEV_TORCH_THREADS": str(args.also_threads)})
             try:
                 print(f"load with OPENJEV_TORCH_THREADS={args.also_threads} ...", file=sys.stderr)
@@ -235,19 +294,29 @@ def main() -> int:
                                                  **load_phase(srv.url, rows, ref, args.clients, args.requests)}
             finally:
                 srv.stop()
-    load = receipt["load_default"]
-    receipt["acceptance"] = {"p99_at_most_3x_p50": load["p99_over_p50"] <= 3.0, "zero_errors": load["errors"] == 0,
-                             "zero_logit_mismatches": load["logit_mismatches"] == 0}
+    acceptance = {}
+    if (load := receipt.get("load_default")) is not None:
+        acceptance.update(p99_at_most_3x_p50=load["p99_over_p50"] <= 3.0, zero_errors=load["errors"] == 0,
+                          zero_logit_mismatches=load["logit_mismatches"] == 0)
+    if (mixed := receipt.get("mixed_load")) is not None:
+        acceptance.update(small_request_p99_at_most_2_steps=mixed["small_steps"]["p99"] <= 2,
+                          mixed_zero_errors=not mixed["errors"])
+    receipt["acceptance"] = acceptance
     receipt["machine"]["load_average_after"] = list(os.getloadavg())
     receipt["finished_at"] = utc_now()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp_out = out.with_suffix(".tmp")
     tmp_out.write_text(json.dumps(receipt, indent=2) + "\n")
     tmp_out.replace(out)
-    print(json.dumps({"out": str(out), "load_default": {k: load[k] for k in ("requests_per_s", "latency_s",
-                      "p99_over_p50", "errors", "logit_mismatches")},
-                      "health_latency_s": receipt["health_under_big_text"]["health_latency_s"],
-                      "acceptance": receipt["acceptance"]}, indent=1))
+    summary = {"out": str(out), "acceptance": acceptance}
+    if load is not None:
+        summary["load_default"] = {k: load[k] for k in ("requests_per_s", "latency_s", "p99_over_p50", "errors",
+                                                        "logit_mismatches")}
+    if "health_under_big_text" in receipt:
+        summary["health_latency_s"] = receipt["health_under_big_text"]["health_latency_s"]
+    if mixed is not None:
+        summary["mixed_load"] = {k: mixed[k] for k in ("small_steps", "small_seconds", "big_tokens_per_s")}
+    print(json.dumps(summary, indent=1))
     return 0 if all(receipt["acceptance"].values()) else 1
 
 

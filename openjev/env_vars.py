@@ -53,6 +53,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "characters of all texts of one request (--max-text-chars)"),
     EnvVar("OPENJEV_STEP_TOKEN_BUDGET", "operator", "16384", "serve_transformers.py",
            "padded tokens of one scheduling step (--step-token-budget)"),
+    EnvVar("OPENJEV_DRAIN_SECONDS", "operator", "30", "serve_transformers.py",
+           "on SIGTERM, how long admitted requests may finish before they get 503 (--drain-seconds)"),
     EnvVar("OPENJEV_TORCH_THREADS", "operator", "0 (all but one core)", "serve_transformers.py", "torch threads (--torch-threads)"),
     EnvVar("OPENJEV_WATCHDOG_SECONDS", "operator", "120", "serve_transformers.py",
            "a forward running longer marks the server unhealthy (--watchdog-seconds; 0 off)"),

@@ -67,6 +67,8 @@ def health_problem(engine: Engine) -> contract.ContractError | None:
         return contract.ContractError(503, "model is loading; retry shortly", contract.UNAVAILABLE)
     if engine.state == "failed":
         return contract.ContractError(503, engine.error or "model failed to load", contract.UNAVAILABLE)
+    if engine.state == "draining":
+        return contract.ContractError(503, "server is shutting down", contract.UNAVAILABLE)
     limit = engine.args.watchdog_seconds
     if limit and (stalled := engine.stalled_for()) > limit:
         return contract.ContractError(
@@ -134,11 +136,13 @@ def create_app(engine: Engine) -> FastAPI:
     pool = ThreadPoolExecutor(PARSE_WORKERS, thread_name_prefix="openjev-parse")
 
     def error(exc: contract.ContractError) -> JSONResponse:
-        if exc.status >= 500:
-            engine.counters.errors_5xx += 1
-        else:
-            engine.counters.errors_4xx += 1
-        engine.metrics.errors.labels(type=exc.type).inc()
+        # a 503 while loading is a start-up answer, not an error: alerts on errors stay quiet across restarts
+        if not (exc.status == 503 and engine.state == "loading"):
+            if exc.status >= 500:
+                engine.counters.errors_5xx += 1
+            else:
+                engine.counters.errors_4xx += 1
+            engine.metrics.errors.labels(type=exc.type).inc()
         headers = {"Retry-After": "5"} if exc.status == 503 else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
@@ -182,6 +186,11 @@ def create_app(engine: Engine) -> FastAPI:
                 done, _ = await asyncio.wait({job.future}, timeout=CANCEL_POLL_S)
                 if done:
                     break
+                if engine.drain_deadline is not None and time.monotonic() >= engine.drain_deadline:
+                    engine.cancel(job)
+                    raise contract.ContractError(
+                        503, "server is shutting down: this request could not finish within the drain window; "
+                             "send it again (to another replica)", contract.UNAVAILABLE)
                 if await request.is_disconnected():
                     engine.cancel(job)
                     raise Disconnected()
@@ -261,7 +270,7 @@ def create_app(engine: Engine) -> FastAPI:
         except contract.ContractError as exc:
             return error(exc)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         problem = health_problem(engine)
         if problem is not None:

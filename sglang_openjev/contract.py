@@ -123,14 +123,20 @@ def validate_rows(rows: Any, limits: Limits, field: str = "input_ids") -> list[l
             raise ContractError(
                 400, f"row {i} has {len(row)} tokens, not below the server context length {limits.context_length}: "
                 "inputs must be shorter than the context length (an input exactly equal to it is rejected too, as "
-                "the pinned SGLang runtime does); the server never truncates, so truncate client-side")
+                f"the pinned SGLang runtime does); {_truncation_advice(field)}")
         if limits.max_input_tokens is not None and len(row) > limits.max_input_tokens:
             raise ContractError(
                 400, f"row {i} has {len(row)} tokens, over this server's input limit of {limits.max_input_tokens} "
-                f"tokens (context length {limits.context_length} less the tokens the runtime reserves); the server "
-                "never truncates, so truncate client-side")
+                f"tokens (context length {limits.context_length} less the tokens the runtime reserves); "
+                f"{_truncation_advice(field)}")
         out.append(row)
     return out
+
+
+def _truncation_advice(field: str) -> str:
+    if field == "input":  # the vLLM-style body, which may ask for truncation
+        return "send 'truncate_prompt_tokens' (-1: this server's limit) or truncate client-side"
+    return "this route never truncates, so truncate client-side (or use /v1/classify with 'truncate_prompt_tokens')"
 
 
 def _texts(value: Any, field: str, limits: Limits | None = None) -> list[str]:
@@ -203,7 +209,8 @@ def parse_classify(body: Any, limits: Limits, tokenize: Tokenize | None = None) 
 
 def is_vllm_request(body: Any) -> bool:
     """vLLM's own route is POST /classify with {"model", "input"}: such a body gets vLLM's shape."""
-    return isinstance(body, dict) and "input" in body and "input_ids" not in body and "text" not in body
+    return (isinstance(body, dict) and ("input" in body or "messages" in body) and "input_ids" not in body
+            and "text" not in body)
 
 
 def classify_response(logits: Sequence[Sequence[float]], model: str) -> dict:
@@ -245,6 +252,9 @@ def parse_vllm_classify(body: Any, limits: Limits, tokenize: Tokenize | None = N
     if not isinstance(body, dict):
         raise ContractError(400, "request body must be a JSON object with 'input'")
     if "input" not in body:
+        if "messages" in body:
+            raise ContractError(400, "chat-style classify ('messages') is not served: the classifier scores exact "
+                                     "inputs and this server applies no chat template; send 'input' (text or token ids)")
         raise ContractError(400, "missing 'input'")
     check_model(body, served_model)
     use_activation = True
@@ -303,10 +313,11 @@ def v1_classify_response(logits: Sequence[Sequence[float]], rows: Sequence[Seque
                      "num_classes": len(row)})
     n_tokens = sum(len(r) for r in rows)
     usage = {"prompt_tokens": n_tokens, "total_tokens": n_tokens, "completion_tokens": 0,
-             "prompt_tokens_details": None}
+             "prompt_tokens_details": None}  # vLLM's UsageInfo, nothing else
+    extra = {}
     if request is not None and request.truncate_prompt_tokens is not None:
-        usage["truncate_prompt_tokens"] = request.truncate_prompt_tokens
-        usage["truncated_inputs"] = request.truncated_rows
+        extra["truncation"] = {"truncate_prompt_tokens": request.truncate_prompt_tokens,
+                               "truncated_inputs": request.truncated_rows}
     return {
         "id": f"classify-{uuid.uuid4().hex}",
         "object": "list",
@@ -314,6 +325,7 @@ def v1_classify_response(logits: Sequence[Sequence[float]], rows: Sequence[Seque
         "model": model,
         "data": data,
         "usage": usage,
+        **extra,
     }
 
 

@@ -270,13 +270,17 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens_and_is_reported():
     req = parse({"input": [[1, 2, 3, 4], [5]], "truncate_prompt_tokens": 2}, LIMITS)
     assert req.rows == [[3, 4], [5]] and req.truncated_rows == 1 and req.truncate_prompt_tokens == 2
     body = contract.v1_classify_response([[0.0, 1.0, 2.0]] * 2, req.rows, "m", True, request=req)
-    assert body["usage"]["prompt_tokens"] == 3 and body["usage"]["truncate_prompt_tokens"] == 2
-    assert body["usage"]["truncated_inputs"] == 1
+    assert body["usage"]["prompt_tokens"] == 3 and body["truncation"] == {"truncate_prompt_tokens": 2, "truncated_inputs": 1}
+    assert set(body["usage"]) == {"prompt_tokens", "total_tokens", "completion_tokens", "prompt_tokens_details"}
     long = parse({"input": [[1] * 30], "truncate_prompt_tokens": -1}, LIMITS)  # -1: the server's limit (15)
     assert long.rows == [[1] * 15]
     for bad in (0, -2, 1.5, "3", 16):
         assert refused(parse, {"input": [[1]], "truncate_prompt_tokens": bad}, LIMITS).status == 400
-    assert refused(parse, {"input": [[1] * 16]}, LIMITS).status == 400  # no truncation unless asked
+    err = refused(parse, {"input": [[1] * 16]}, LIMITS)  # no truncation unless asked
+    assert err.status == 400 and "truncate_prompt_tokens" in err.message and "never truncates" not in err.message
+    assert "never truncates" in refused(contract.parse_classify, {"input_ids": [[1] * 16]}, LIMITS).message
+    err = refused(parse, {"messages": [{"role": "user", "content": "a"}]}, LIMITS)
+    assert err.status == 400 and "chat template" in err.message
     text = parse({"input": "abcd", "truncate_prompt_tokens": 2, "add_special_tokens": False}, LIMITS, tokenize_kw)
     assert text.rows == [[ord("c") % 90, ord("d") % 90]]
     assert parse({"input": ["ab"]}, LIMITS, tokenize_kw).rows == [[99, ord("a") % 90, ord("b") % 90]]

@@ -6,6 +6,7 @@ import json
 import math
 import signal
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -171,8 +172,22 @@ def test_health_is_503_while_loading_then_200(overlay, tmp_path):
             time.sleep(0.05)
         assert statuses[0] == 503 and statuses[-1] == 200, statuses
         assert refused >= 1 or statuses.count(503) == 1, statuses  # a classify while loading got 503
+        # start-up answers are not errors, and HEAD /health (as load balancers send it) is served
+        assert requests.get(f"{srv.url}/server_info", timeout=5).json()["counters"]["errors_5xx"] == 0
+        metrics = requests.get(f"{srv.url}/metrics", timeout=5).text
+        assert 'openjev_errors_total{type="service_unavailable"} 0.0' in metrics
+        assert 'openjev_http_requests_total{route="/health",status="503"}' in metrics
+        head = requests.head(f"{srv.url}/health", timeout=5)
+        assert head.status_code == 200 and head.content == b""
     finally:
         srv.stop()
+
+
+def test_port_out_of_range_is_one_line(overlay):
+    for port in ("70000", "0", "-1"):
+        proc = run_script("serve_transformers.py", overlay, port, timeout=60)
+        lines = error_lines(proc.stderr)
+        assert proc.returncode == 1 and len(lines) == 1 and f"port {port} is out of range" in lines[0], proc.stderr
 
 
 def test_port_in_use_is_refused(overlay):
@@ -230,6 +245,36 @@ def test_sigterm_stops_gracefully(overlay, tmp_path):
     assert srv.stop(signal.SIGTERM) in (0, -signal.SIGTERM)
     log = srv.log.read_text()
     assert "Shutting down" in log and "Finished server process" in log
+
+
+def test_sigterm_under_load_answers_every_admitted_request(overlay, tmp_path):
+    """A request that cannot finish within the drain window gets a 503 with Retry-After before the
+    server exits; one that can finish gets its 200; no client sees a dropped connection."""
+    srv = start_server(overlay, tmp_path / "log", "--drain-seconds", "3")
+    answers: dict[str, object] = {}
+
+    def send(name, rows):
+        try:
+            r = classify(srv.url, {"input_ids": rows})
+            answers[name] = (r.status_code, r.headers.get("Retry-After"), r.json())
+        except requests.RequestException as exc:
+            answers[name] = exc
+
+    long = threading.Thread(target=send, args=("long", [[7] * 8191] * 60))
+    short = threading.Thread(target=send, args=("short", [[8] * 4000] * 2))
+    long.start()
+    time.sleep(0.3)
+    short.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    srv.proc.send_signal(signal.SIGTERM)
+    long.join(120)
+    short.join(120)
+    assert srv.proc.wait(60) in (0, -signal.SIGTERM)
+    assert answers["short"][0] == 200, answers["short"]
+    status, retry_after, body = answers["long"]
+    assert status == 503 and retry_after and "shutting down" in body["error"]["message"], answers["long"]
+    assert time.monotonic() - t0 < 30  # the drain window, not uvicorn's own 30 s
 
 
 # ---------------------------------------------------------------- strict loading

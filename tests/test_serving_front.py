@@ -227,6 +227,34 @@ def test_small_request_is_not_held_behind_a_big_one(front):
     assert info["step_token_budget"] == 16384 and info["scheduler"]["step_token_budget"] == 16384
 
 
+def test_small_request_behind_three_big_ones_is_served_within_two_steps(front):
+    """Three requests of 6 rows x 8191 tokens fill every step (two rows a step at the default budget);
+    a 1-row request sent while they run completes within two steps: the one running when it arrives
+    and the next (before, it waited until the oldest two big requests had finished)."""
+    big_status = []
+
+    def big(k):
+        r = post(front.url, "/classify", {"input_ids": [[5 + k] * LONG] * 6}, timeout=600)
+        big_status.append(r.status_code)
+
+    steps = lambda: requests.get(f"{front.url}/server_info").json()["counters"]["steps"]  # noqa: E731
+    start = steps()
+    threads = [threading.Thread(target=big, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    deadline = time.monotonic() + 120
+    while steps() < start + 1 and time.monotonic() < deadline:  # the big requests are being served
+        time.sleep(0.02)
+    before = steps()
+    r = post(front.url, "/classify", {"input_ids": [[1, 2, 3]]}, timeout=600)
+    after = steps()
+    for t in threads:
+        t.join()
+    assert r.status_code == 200 and big_status == [200, 200, 200]
+    assert after - before <= 2, f"the 1-row request waited {after - before} steps"
+
+
 def test_split_request_logits_equal_the_reference(front, sample_tokens, reference):
     """Rows of one request split over steps and regrouped by length come back bitwise, in order."""
     _, rows = token_rows(sample_tokens)
@@ -328,12 +356,12 @@ def test_vllm_client_runs_unchanged_on_both_routes(front, model_name, route, sam
     assert client.detokenize(tok["tokens"]).replace(" ", "") == text.replace(" ", "")
     # truncate_prompt_tokens keeps the last k tokens (vLLM's meaning) and is recorded in usage
     cut = client.classify([rows[0]], truncate_prompt_tokens=2)
-    assert cut["usage"]["prompt_tokens"] == 2 and cut["usage"]["truncate_prompt_tokens"] == 2
-    assert cut["usage"]["truncated_inputs"] == 1
+    assert cut["usage"]["prompt_tokens"] == 2 and cut["truncation"]["truncate_prompt_tokens"] == 2
+    assert cut["truncation"]["truncated_inputs"] == 1 and "truncated_inputs" not in cut["usage"]
     last2 = client.classify([rows[0][-2:]])
     assert cut["data"][0]["probs"] == last2["data"][0]["probs"]
     full = client.classify([rows[0]], truncate_prompt_tokens=-1)
-    assert full["usage"]["prompt_tokens"] == len(rows[0]) and full["usage"]["truncated_inputs"] == 0
+    assert full["usage"]["prompt_tokens"] == len(rows[0]) and full["truncation"]["truncated_inputs"] == 0
 
 
 def test_vllm_errors_unknown_model_whitespace_and_add_special_tokens(front, model_name, overlay):
@@ -412,6 +440,22 @@ def test_plan_step_round_robin_within_the_token_budget():
     cancelled = mk([[1]] * 3)
     cancelled.cancelled = True
     assert engine_scheduler.plan_step([cancelled], 100) == []
+
+
+def test_plan_step_serves_a_later_small_request_in_the_next_step():
+    mk = lambda rows: engine_scheduler.Job(rows, None, None)  # noqa: E731 - loop/future unused by the planner
+    bigs = [mk([[k] * 6000] * 8) for k in range(3)]
+    queue = list(bigs)
+    first = engine_scheduler.plan_step(queue, 16384)
+    assert [bigs.index(j) for j, _ in first] == [0, 1]  # the third big request does not fit this step
+    small = mk([[9] * 5])
+    queue.append(small)
+    second = engine_scheduler.plan_step(queue, 16384)
+    assert [j for j, _ in second][:2] == [bigs[2], small]  # those not yet served go first
+    for _ in range(20):  # the big requests then share the steps: none waits for another to finish
+        engine_scheduler.plan_step(queue, 16384)
+        served = [j.cursor for j in bigs]
+        assert max(served) - min(served) <= 1 or max(served) == 8
 
 
 def test_length_groups_and_thread_policy():

@@ -27,6 +27,7 @@ class Job:
     future: asyncio.Future
     results: object = None          # np.ndarray [n, 3], filled step by step
     cursor: int = 0                 # next row to schedule
+    served_tokens: int = 0          # tokens of its rows scheduled so far (the fair-share clock)
     done_rows: int = 0
     cancelled: bool = False
 
@@ -48,14 +49,15 @@ class Counters:
 
 
 def plan_step(jobs: "list[Job]", token_budget: int) -> list[tuple[Job, int]]:
-    """Pick the rows of one scheduling step: round-robin over the queued requests in arrival order,
-    one row per request per turn, until the step's token budget is spent (a step always takes at
-    least one row, so a row longer than the budget still runs, alone). A large request is thereby
-    split over several steps and a small one queued behind it is served in the next step.
-    Returns (job, row index) pairs; advances each job's cursor."""
+    """Pick the rows of one scheduling step under the token budget, fairly across requests: the
+    requests that have been served the fewest tokens go first (arrival order among equals), then
+    they take turns, one row per request per turn (a step always takes at least one row, so a row
+    longer than the budget still runs, alone). A request that arrives behind large ones has been
+    served nothing, so it is served in the next step, and large requests share the steps instead
+    of the oldest ones taking all of them. Returns (job, row index) pairs; advances each job."""
     picked: list[tuple[Job, int]] = []
     used = 0
-    active = [j for j in jobs if not j.cancelled and j.cursor < len(j.rows)]
+    active = sorted((j for j in jobs if not j.cancelled and j.cursor < len(j.rows)), key=lambda j: j.served_tokens)
     while active:
         nxt = []
         for job in active:
@@ -65,6 +67,7 @@ def plan_step(jobs: "list[Job]", token_budget: int) -> list[tuple[Job, int]]:
             picked.append((job, job.cursor))
             used += n
             job.cursor += 1
+            job.served_tokens += n
             if job.cursor < len(job.rows):
                 nxt.append(job)
         active = nxt
@@ -124,7 +127,7 @@ class Engine:
     """Model state and the inference thread. HTTP handlers only validate, enqueue and await."""
 
     args: argparse.Namespace
-    state: str = "loading"  # loading | ready | failed
+    state: str = "loading"  # loading | ready | failed | draining
     error: str | None = None
     clf: object | None = None
     batching: str = "exact"
@@ -138,6 +141,7 @@ class Engine:
     _stopping: bool = False
     last_progress: float = field(default_factory=time.monotonic)
     step_running_since: float | None = None
+    drain_deadline: float | None = None  # monotonic time by which a draining server answers everything
 
     # ------------------------------------------------------------ loading
     def load(self, on_failure) -> None:
@@ -167,6 +171,14 @@ class Engine:
         log.info("model ready: %s (%s on %s, batching %s, %d torch threads, step budget %d tokens) in %.1f s",
                  self.args.checkpoint, self.clf.dtype, self.clf.device, self.batching, self.torch_threads,
                  self.args.step_token_budget, self.load_seconds)
+
+    def begin_drain(self, seconds: float) -> None:
+        """SIGTERM: stop being ready; admitted requests have until the deadline to finish."""
+        if self.drain_deadline is None:
+            self.drain_deadline = time.monotonic() + seconds
+            if self.state == "ready":
+                self.state = "draining"
+            log.info("draining: %d queued requests have %.0f s to finish", self.queue_depth()[0], seconds)
 
     def limits(self) -> contract.Limits:
         return contract.Limits(self.clf.vocab_size, self.args.context_length, self.args.max_batch_size,
@@ -307,7 +319,7 @@ class Engine:
             radix_cache=False, mamba_scheduler_strategy=None, mamba_full_memory_ratio=None,
             attention_backend=f"transformers-{clf.model.config._attn_implementation}" if clf else None,
             batching=self.batching if clf else None,
-            scheduler={"kind": "token-budget round-robin, rows grouped by length inside a step",
+            scheduler={"kind": "token-budget fair share (fewest tokens served first), rows grouped by length inside a step",
                        "step_token_budget": self.args.step_token_budget,
                        "rows_per_forward": self.args.max_running_requests,
                        "watchdog_seconds": self.args.watchdog_seconds},
