@@ -14,7 +14,8 @@ No terminal needed. Steps:
      --port (never the production port 31000), runs app/bench_classify_v100.py for every --set cold
      (--cold-cache) and warm, and stops the server; its output goes to RUN/tune.log
   4. mark the run complete and judge it with app/report_bench_history.py's verdict (the rule is in
-     that script's --help: median + max(k x MAD, floor x median) of the last N complete and valid runs;
+     that script's --help: a band over the last N complete and valid runs that widens with their
+     spread and their own pass noise; timing is judged only from 3 such runs, correctness always;
      argmax changes, max |dp_e|, audit failures and invalid/incomplete runs are regressions)
 
 Killed midway (SIGKILL included), the run stays complete: false and is never a baseline; the tuner
@@ -72,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-timeout", type=float, default=1800.0, help="seconds for /health 200 (default: 1800)")
     p.add_argument("--stop-timeout", type=float, default=60.0, help="SIGTERM -> SIGKILL delay (default: 60)")
     p.add_argument("--baseline-runs", type=int, default=history.DEFAULTS["baseline_runs"], help="verdict: N (default: 5)")
+    p.add_argument("--min-baseline-runs", type=int, default=history.DEFAULTS["min_baseline_runs"],
+                   help="verdict: fewer baseline runs than this and timing is not judged (default: 3)")
     p.add_argument("--mad-k", type=float, default=history.DEFAULTS["mad_k"], help="verdict: k (default: 4)")
     p.add_argument("--rel-floor", type=float, default=history.DEFAULTS["rel_floor"], help="verdict: floor (default: 0.10)")
     p.add_argument("--check-only", action="store_true",
@@ -155,13 +158,14 @@ def main() -> int:
 
     runs = history.load_history(args.history)
     idx = [r["name"] for r in runs].index(run_dir.name)
-    v = history.verdict(runs, idx, baseline_runs=args.baseline_runs, mad_k=args.mad_k, rel_floor=args.rel_floor,
-                       max_dp_e=args.max_dp_e)
+    v = history.verdict(runs, idx, baseline_runs=args.baseline_runs, min_baseline_runs=args.min_baseline_runs,
+                        mad_k=args.mad_k, rel_floor=args.rel_floor, max_dp_e=args.max_dp_e)
     atomic_write_json(run_dir / "verdict.json", v)
     meds = ", ".join(f"{k} {h['median_pass_s']:.3f} s" for k, h in runs[idx]["measurements"].items()
                      if isinstance(h.get("median_pass_s"), (int, float)))
     if not v["regression"]:
-        print(f"scheduled bench {run_dir.name}: no regression ({meds}; baseline {len(v['baseline'])} run(s))")
+        what = "insufficient baseline, timing not judged" if v["status"] == "insufficient baseline" else "no regression"
+        print(f"scheduled bench {run_dir.name}: {what} ({meds}; baseline {len(v['baseline'])} run(s))")
         return 0
     print(f"scheduled bench {run_dir.name}: {'FAILED' if rc else 'REGRESSION'} (tuner exit {rc}; {meds or 'no medians'})")
     for r in v["reasons"]:
