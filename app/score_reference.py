@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -247,7 +248,6 @@ def main() -> int:
     rows, n_cut = truncate_rows(rows, args.truncate)
 
     import torch  # noqa: F401  (recorded in the environment receipt)
-    from openjev.engine.classifier import weight_files
     from openjev.engine.flops import compute_bound, measure_matmul_peak, model_flops
     from openjev.engine.kernels import path_label
 
@@ -259,7 +259,7 @@ def main() -> int:
         info, logits, elapsed = score_here(args, rows, row_ids, units)
     else:
         info, logits, elapsed = score_in_workers(args, rows, row_ids, units)
-    clf_dtype, clf_device, kernels, warm = info["dtype"], info["device"], info["kernels"], info["warmup"]
+    clf_dtype, clf_device, kernels = info["dtype"], info["device"], info["kernels"]
     bound = None
     if not args.no_peak:
         peak_dtype = "float32" if clf_device == "cpu" else "float16"
@@ -267,7 +267,24 @@ def main() -> int:
                               model_flops(args.model, sum(len(r) for r in rows)), elapsed)
 
     staging = args.out.with_name(f".{args.out.name}.partial")
-    staging.mkdir(parents=True, exist_ok=False)
+    if staging.is_dir():  # left by a run killed while writing: never complete, never read
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    try:
+        write_reference(staging, args, logits, rows, row_ids, inputs_entry, n_cut, info, elapsed, bound)
+        staging.rename(args.out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # a full disk or a read-only folder leaves nothing
+        raise
+    print(f"wrote {args.out}/reference.npy ({len(rows)} rows, {clf_dtype} on {clf_device}, {elapsed:.1f} s, "
+          f"{len(rows) / elapsed:.2f} rows/s, {args.workers} worker(s) x {info['threads']} thread(s), kernels {path_label(kernels)}"
+          + (f", {bound['fraction_of_peak']:.3f} of the {bound['peak_dtype']} matmul peak" if bound else "") + ")")
+    return 0
+
+
+def write_reference(staging: Path, args, logits, rows, row_ids, inputs_entry, n_cut, info, elapsed, bound) -> None:
+    from openjev.engine.classifier import weight_files
+
     np.save(staging / "reference.npy", logits)
     tokens_sha = sha256_file(args.tokens)
     atomic_write_bytes(staging / "tokens.sha256", f"{tokens_sha}  {args.tokens.name}\n".encode())
@@ -278,19 +295,14 @@ def main() -> int:
         "tokens": {"path": str(args.tokens), "sha256": tokens_sha, "truncate": args.truncate,
                    "truncated_rows": n_cut, "ids_sha256": ids_sha256(rows)},
         "model": {"path": str(args.model), "resolved": str(args.model.resolve()), "files": weight_files(args.model)},
-        "backend": "transformers", "dtype": clf_dtype, "device": clf_device,
+        "backend": "transformers", "dtype": info["dtype"], "device": info["device"],
         "mode": "exact" if args.batch_size == 1 else "padded", "batch_size": args.batch_size, "workers": args.workers,
         "threads": {"requested": args.threads, "ran": info["threads"]}, "verify": info.get("verify"),
         "logits_sha256": sha256_file(staging / "reference.npy"), "elapsed_s": round(elapsed, 3),
         "rows_per_s": round(len(rows) / elapsed, 3) if elapsed > 0 else None,
-        "warmup": warm, "kernel_path": kernels, "compute_bound": bound,
+        "warmup": info["warmup"], "kernel_path": info["kernels"], "compute_bound": bound,
         "environment": environment_receipt(),
     })
-    staging.rename(args.out)
-    print(f"wrote {args.out}/reference.npy ({len(rows)} rows, {clf_dtype} on {clf_device}, {elapsed:.1f} s, "
-          f"{len(rows) / elapsed:.2f} rows/s, {args.workers} worker(s) x {info['threads']} thread(s), kernels {path_label(kernels)}"
-          + (f", {bound['fraction_of_peak']:.3f} of the {bound['peak_dtype']} matmul peak" if bound else "") + ")")
-    return 0
 
 
 if __name__ == "__main__":

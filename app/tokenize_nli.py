@@ -60,8 +60,18 @@ def main() -> int:
     encoded = tok([render(r, args.template) for r in rows], add_special_tokens=True)["input_ids"]
     body = "".join(json.dumps({"id": r["id"], "input_ids": ids}, separators=(",", ":")) + "\n"
                    for r, ids in zip(rows, encoded))
-    atomic_write_bytes(args.out, body.encode())
     lengths = sorted(len(x) for x in encoded)
+    atomic_write_bytes(args.out, body.encode())
+    try:
+        write_receipt(args, rows, lengths)
+    except BaseException:
+        args.out.unlink(missing_ok=True)  # tokens without their receipt would look complete
+        raise
+    print(f"wrote {args.out}: {len(rows)} rows, {sum(lengths)} tokens (max {lengths[-1]})")
+    return 0
+
+
+def write_receipt(args, rows, lengths) -> None:
     atomic_write_json(args.out.with_name(args.out.name + ".receipt.json"), {
         "made_by": "app/tokenize_nli.py", "made_at": utc_now(),
         "inputs": {"path": str(args.inputs), "sha256": sha256_file(args.inputs), "rows": len(rows)},
@@ -70,8 +80,6 @@ def main() -> int:
         "template": args.template,
         "lengths": {"min": lengths[0], "median": lengths[len(lengths) // 2], "max": lengths[-1]},
     })
-    print(f"wrote {args.out}: {len(rows)} rows, {sum(lengths)} tokens (max {lengths[-1]})")
-    return 0
 
 
 if __name__ == "__main__":

@@ -45,6 +45,9 @@ def run_main(main) -> None:
         die(str(exc))
     except KeyboardInterrupt:
         die("interrupted", 130)
+    except OSError as exc:  # a full disk, a read-only or missing folder: the operator's to fix, in one line
+        where = f" ({exc.filename})" if exc.filename else ""
+        die(f"{exc.strerror or exc}{where}")
     sys.exit(code or 0)
 
 

