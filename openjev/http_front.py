@@ -354,13 +354,39 @@ class CoalescingTransport:
         return getattr(self._transport, name)
 
 
+HEADER_TIMEOUT_S = 10.0  # a connection must finish a request's headers this soon after it opens or idles
+
+
 def coalescing_h11_protocol() -> type:
-    """uvicorn's h11 protocol over a CoalescingTransport (uvicorn.Config(http=...))."""
+    """uvicorn's h11 protocol over a CoalescingTransport (uvicorn.Config(http=...)), with a header
+    timeout: uvicorn cancels its keep-alive timer at the first byte, so a client that sends part of
+    its headers and stops held the connection forever (HAProxy's `timeout http-request`)."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class CoalescingH11Protocol(H11Protocol):
         def connection_made(self, transport) -> None:  # type: ignore[override]
             super().connection_made(CoalescingTransport(transport))
+            self._arm_header_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm_header_timer()
+
+        def connection_lost(self, exc) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            super().connection_lost(exc)
+
+        def _arm_header_timer(self) -> None:
+            if getattr(self, "_header_timer", None) is not None:
+                self._header_timer.cancel()
+            self._header_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._header_timeout)
+
+        def _header_timeout(self) -> None:
+            self._header_timer = None
+            waiting_for_headers = self.cycle is None or self.cycle.response_complete
+            if waiting_for_headers and not self.transport.is_closing():
+                self.transport.close()
 
     return CoalescingH11Protocol
 

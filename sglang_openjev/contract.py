@@ -18,6 +18,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+try:
+    import orjson
+except ImportError:  # the json module then; same answers, slower on large bodies
+    orjson = None
+
 LABELS = ("contradiction", "entailment", "neutral")
 
 # Error types, following the OpenAI-style names SGLang and vLLM use in their error bodies.
@@ -80,6 +85,16 @@ def check_body_size(n_bytes: int, max_body_bytes: int) -> None:
 
 
 def parse_json(raw: bytes) -> Any:
+    """Request JSON, by orjson where installed (SGLang depends on it): a 20 MB body of many tiny rows
+    parses in a fraction of a second instead of the json module's 4-7 s."""
+    if orjson is not None:
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            if "depth limit" in str(exc) or "recursion" in str(exc).lower():
+                raise ContractError(400, "request body is not valid JSON for this server: nested too deeply "
+                                         "(the parser's recursion limit)") from None
+            raise ContractError(400, f"request body is not valid JSON: {exc}") from None
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

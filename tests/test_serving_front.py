@@ -127,6 +127,50 @@ def test_100_texts_of_200kb_are_413_and_health_answers(front):
     assert all(status == 200 for status, _ in answers)
 
 
+def test_many_tiny_rows_are_413_quickly_and_do_not_stall_others(front):
+    """1.5 M five-token rows (about 18 MB, under the 32 MiB body limit): refused for the batch limit,
+    with /health and a 1-row classify answered meanwhile within the 2 s liveness bound of this module
+    (the json module took 4-7 s to parse such a body, holding the interpreter)."""
+    body = b'{"input_ids": [' + b",".join([b"[1,2,3,4,5]"] * 1_500_000) + b"]}"
+    assert len(body) < 32 * 1024 * 1024
+    results = {}
+
+    def big(k):
+        results[k] = post(front.url, "/classify", body, raw=True, timeout=120)
+
+    threads = [threading.Thread(target=big, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    small = post(front.url, "/classify", {"input_ids": [[1, 2, 3]]}, timeout=2)
+    answers = health_while(front.url, threads[0])
+    for t in threads:
+        t.join()
+    for r in results.values():
+        assert r.status_code == 413 and "1500000 inputs" in r.json()["error"]["message"], r.text[:300]
+    assert small.status_code == 200
+    assert all(status == 200 for status, _ in answers), answers
+
+
+def test_half_sent_headers_are_closed_by_the_header_timeout(front):
+    """Connections that never finish their request headers are closed (they held a slot forever)."""
+    socks = []
+    for _ in range(50):
+        s = socket.create_connection(("127.0.0.1", front.port), timeout=30)
+        s.sendall(b"POST /classify HTTP/1.1\r\nHost: x\r\nContent-Type: appl")
+        socks.append(s)
+    time.sleep(http_front.HEADER_TIMEOUT_S + 2)
+    closed = 0
+    for s in socks:
+        try:
+            closed += s.recv(1024) == b""
+        except (ConnectionResetError, socket.timeout):
+            pass
+        s.close()
+    assert closed == 50
+    assert requests.get(f"{front.url}/health", timeout=5).status_code == 200
+
+
 # ---------------------------------------------------------------- every failure is a JSON error body
 def test_deep_json_and_lone_surrogate_are_json_400s_counted_by_type(front):
     before = requests.get(f"{front.url}/metrics").text
@@ -422,12 +466,7 @@ def test_metrics_in_prometheus_text_format(front, sample_tokens):
 
 
 # ---------------------------------------------------------------- the scheduler's pure parts
-def _scheduler():
-    return engine_scheduler
-
-
 def test_plan_step_round_robin_within_the_token_budget():
-    st = _scheduler()
     mk = lambda rows: engine_scheduler.Job(rows, None, None)  # noqa: E731 - loop/future unused by the planner
     huge, small = mk([[1] * 8000] * 5), mk([[2] * 10])
     first = engine_scheduler.plan_step([huge, small], 16384)
@@ -459,7 +498,6 @@ def test_plan_step_serves_a_later_small_request_in_the_next_step():
 
 
 def test_length_groups_and_thread_policy():
-    st = _scheduler()
     # sorted 1 2 3 4 5 in runs of at most 2: [1] [2 3] [4 5] and [1 2] [3 4] [5] cost the same
     # (3 forwards, 17 padded tokens); the tie keeps the earlier cut
     assert engine_scheduler.length_groups([5, 1, 3, 2, 4], 2) == [[1], [3, 2], [4, 0]]
