@@ -12,6 +12,8 @@ Refuses: a config that is not a 3-label Qwen3.5 sequence classifier with labels
 contradiction/entailment/neutral in that order; an incomplete checkpoint (no config.json, no
 tokenizer_config.json, no tokenizer.json (or vocab.json + merges.txt), a shard named by
 model.safetensors.index.json missing, or no model.safetensors / index at all), with the list;
+weights that would not load, read from the safetensors headers (a 0-byte or truncated file, a
+tensor missing, unexpected, duplicated or of the wrong shape, the classification head);
 a processor config whose sha256 differs from the pin (or is unpinned, unless --allow-unpinned),
 whether fetched or carried inside the checkpoint (a carried one that differs from the pin is
 accepted only with --allow-unpinned, and recorded); an OUT that exists and is not an overlay made by
@@ -35,6 +37,7 @@ from pathlib import Path
 
 from openjev.common import UserError, atomic_write_json, load_sources, openjev_root, run_main, sha256_file, utc_now
 from sglang_openjev.contract import check_label_order
+from sglang_openjev.weights import checkpoint_tensor_problems
 
 MARKER = ".openjev_overlay.json"
 PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json")
@@ -257,6 +260,10 @@ def _main() -> int:
     except ValueError as exc:
         raise UserError(f"{ckpt} is not an OpenJEV classifier: {exc}") from None
     check_checkpoint_complete(ckpt)
+    problems = checkpoint_tensor_problems(ckpt, config)
+    if problems:
+        raise UserError(f"checkpoint {ckpt} would not load (read from its safetensors headers): "
+                        f"{'; '.join(problems)}; refusing to build an overlay")
     if out.resolve() == ckpt.resolve():
         raise UserError("OUT must differ from CHECKPOINT (the checkpoint is never modified)")
 

@@ -24,6 +24,7 @@ prefix and routes the head.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 from typing import Iterable, NamedTuple
@@ -188,6 +189,70 @@ def refuse_if_problems(problems: list[str], where: str = "") -> None:
 def check_checkpoint_names(unexpected: list[str], duplicated: list[str]) -> None:
     """Refuse a checkpoint with tensors that are not a Qwen3.5 classifier's, or a name given twice."""
     refuse_if_problems(loading_problems(unexpected=unexpected, duplicated=duplicated))
+
+
+def safetensors_header(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """name -> shape from a .safetensors file's header, refusing (ValueError) a file that is not one
+    or whose size is not what its header describes (0 bytes, truncated, cut short by a copy)."""
+    path = Path(path)
+    size = os.path.getsize(path)
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path.name} has {size} bytes: not a safetensors file (no header)")
+        (length,) = struct.unpack("<Q", head)
+        if 8 + length > size:
+            raise ValueError(f"{path.name} has {size} bytes, less than its {length}-byte header: truncated")
+        try:
+            header = json.loads(fh.read(length))
+            tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+            end = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
+            shapes = {k: tuple(int(d) for d in v["shape"]) for k, v in tensors.items()}
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            raise ValueError(f"{path.name}: its header is not a safetensors header") from None
+    if 8 + length + end != size:
+        raise ValueError(f"{path.name} has {size} bytes but its header describes {8 + length + end}: "
+                         f"{'truncated' if size < 8 + length + end else 'trailing bytes'}")
+    return shapes
+
+
+def checkpoint_tensor_problems(directory: str | Path, config: dict) -> list[str]:
+    """Every strict-loading problem of a checkpoint read from its safetensors headers alone (what the
+    server would refuse at load time, found before an overlay is made): unreadable or truncated
+    files, missing, unexpected, duplicated or wrong-shape tensors, the classification head."""
+    from sglang_openjev.checkpoint import interval_layout
+
+    text = config.get("text_config") or config
+    layer_types = list(text.get("layer_types") or [])
+    if not layer_types and isinstance(text.get("full_attention_interval"), int):
+        layer_types = interval_layout(text["full_attention_interval"], text.get("num_hidden_layers") or 0)
+    seen: dict[str, tuple] = {}
+    head: dict[str, tuple] = {}
+    unexpected, duplicated, other = [], [], []
+    for f in checkpoint_weight_files(directory):
+        try:
+            shapes = safetensors_header(f)
+        except (OSError, ValueError) as exc:
+            other.append(str(exc))
+            continue
+        for name, shape in shapes.items():
+            kind, rel = route_weight(name)
+            target = {BACKBONE: seen, HEAD: head}.get(kind)
+            if target is None:
+                if kind == UNEXPECTED:
+                    unexpected.append(name)
+                continue
+            if rel in target:
+                duplicated.append(name)
+            target[rel] = shape
+    if other:
+        return other
+    missing, extra, mismatched = compare_shapes(seen, expected_backbone_shapes(text, layer_types))
+    try:
+        check_head_weights(head, config.get("num_labels") or len(config.get("id2label") or {}), text["hidden_size"])
+    except ValueError as exc:
+        other.append(str(exc))
+    return loading_problems(missing, unexpected + extra, duplicated, mismatched, other)
 
 
 def safetensors_names(path: str | Path) -> list[str]:

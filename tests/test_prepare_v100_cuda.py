@@ -517,6 +517,24 @@ def test_removed_and_added_files_are_refused_and_listed_at_most_ten(tmp_path: Pa
     assert "already installed" in run(root, server, pinned, "--verify").stdout
 
 
+def test_a_file_and_its_receipt_rewritten_together_are_refused(tmp_path: Path, release: Release, server, pinned):
+    """The receipt's own sha256 is kept outside the tree (ROOT/.cuda126.receipt.sha256): rewriting a
+    file and the receipt's entry for it in step is still seen."""
+    root, receipt = _installed(tmp_path, server, pinned)
+    nvcc = root / "cuda126/bin/nvcc"
+    nvcc.write_bytes(b"#!/bin/sh\necho someone else's nvcc\n")
+    st = nvcc.stat()
+    receipt["files"]["bin/nvcc"].update(size=st.st_size, mtime_ns=st.st_mtime_ns,
+                                        sha256=hashlib.sha256(nvcc.read_bytes()).hexdigest())
+    (root / "cuda126" / RECEIPT).write_text(json.dumps(receipt))
+    for extra in ((), ("--verify",)):
+        assert_refused_untouched(root, server, pinned, "receipt's sha256 differs", ".cuda126.receipt.sha256",
+                                 extra=extra)
+    (root / ".cuda126.receipt.sha256").unlink()  # and with the record gone: cannot be trusted
+    line = assert_failed_one_line(run(root, server, pinned), "no record of its receipt outside the tree", "--force")
+    assert "already installed" not in line
+
+
 def test_receipt_without_file_list_is_refused_with_reinstall_advice(tmp_path: Path, release: Release, server, pinned):
     root, receipt = _installed(tmp_path, server, pinned)
     del receipt["files"]

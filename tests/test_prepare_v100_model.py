@@ -279,12 +279,17 @@ def test_help_documents_the_options():
 
 # ---------------------------------------------------------------- incomplete checkpoints, carried configs
 def _shard(ckpt: Path) -> None:
-    """Turn the single-file checkpoint into a 1-shard indexed one (real bytes, renamed)."""
-    (ckpt / "model.safetensors").rename(ckpt / "model-00001-of-00002.safetensors")
-    (ckpt / "model-00002-of-00002.safetensors").write_bytes(
-        (ckpt / "model-00001-of-00002.safetensors").read_bytes())
+    """Split the single-file checkpoint into two shards and their index (real tensors)."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(ckpt / "model.safetensors"))
+    names = sorted(state)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, part in halves.items():
+        save_file({n: state[n] for n in part}, str(ckpt / shard))
+    (ckpt / "model.safetensors").unlink()
     (ckpt / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
-        "score.weight": "model-00001-of-00002.safetensors", "model.norm.weight": "model-00002-of-00002.safetensors"}}))
+        n: shard for shard, part in halves.items() for n in part}}))
 
 
 @pytest.mark.parametrize("remove,words", [
@@ -307,13 +312,49 @@ def test_sharded_checkpoint_needs_every_shard_its_index_names(tiny_model, tmp_pa
     _shard(ckpt)
     out = tmp_path / "model"
     args = ("prepare_v100_model.py", ckpt, out, "--processor-dir", tiny_model["processor"], "--allow-unpinned")
+    second = (ckpt / "model-00002-of-00002.safetensors").read_bytes()
     (ckpt / "model-00002-of-00002.safetensors").unlink()
     assert_refused(run_script(*args), out, "incomplete", "model-00002-of-00002.safetensors")
     assert "model-00001" not in error_lines(run_script(*args).stderr)[0]
-    (ckpt / "model-00002-of-00002.safetensors").write_bytes((ckpt / "model-00001-of-00002.safetensors").read_bytes())
+    (ckpt / "model-00002-of-00002.safetensors").write_bytes(second)
     proc = run_script(*args)
     assert proc.returncode == 0, proc.stderr
     assert (out / "model-00002-of-00002.safetensors").is_symlink()
+
+
+def _rewrite_weights(ckpt: Path, case: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = ckpt / "model.safetensors"
+    if case == "empty":
+        path.write_bytes(b"")
+    elif case == "truncated":
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) - 1000])
+    elif case == "fifteen_missing":
+        state = load_file(str(path))
+        for name in sorted(n for n in state if n.startswith("model.language_model.layers."))[:15]:
+            del state[name]
+        save_file(state, str(path))
+    elif case == "no_head":
+        state = load_file(str(path))
+        del state["score.weight"]
+        save_file(state, str(path))
+
+
+@pytest.mark.parametrize("case,words", [
+    ("empty", ("would not load", "model.safetensors has 0 bytes")),
+    ("truncated", ("would not load", "truncated")),
+    ("fifteen_missing", ("would not load", "15 missing tensor(s)")),
+    ("no_head", ("would not load", "no 'score.weight'")),
+])
+def test_refuses_weights_that_would_not_load_read_from_their_headers(tiny_model, tmp_path, case, words):
+    ckpt = copy_checkpoint(tiny_model, tmp_path)
+    _rewrite_weights(ckpt, case)
+    out = tmp_path / "model"
+    proc = run_script("prepare_v100_model.py", ckpt, out, "--processor-dir", tiny_model["processor"],
+                      "--allow-unpinned")
+    assert_refused(proc, out, *words)
 
 
 def test_missing_checkpoint_files_pure():

@@ -14,7 +14,7 @@ import tarfile
 from pathlib import Path, PurePosixPath
 from typing import Iterable, Sequence
 
-from openjev.common import (UserError, atomic_write_json, environment_receipt, sha256_file,
+from openjev.common import (UserError, atomic_write_bytes, atomic_write_json, environment_receipt, sha256_file,
                             try_exclusive_lock, utc_now)
 from openjev.cuda.download import CHUNK, Console, format_bytes, one_line
 from openjev.cuda.manifest import ComponentPlan, ManifestSource
@@ -248,6 +248,12 @@ def remove_tree(path: Path) -> None:
         shutil.rmtree(path)
 
 
+def receipt_record_path(tree: Path) -> Path:
+    """Where the sha256 of a tree's receipt is kept, beside the tree, so that rewriting the tree and
+    its receipt together is still seen."""
+    return tree.parent / f".{tree.name}.receipt.sha256"
+
+
 def read_receipt(tree: Path) -> dict | None:
     try:
         receipt = json.loads((tree / RECEIPT_NAME).read_text())
@@ -275,6 +281,16 @@ def existing_state(target: Path, identity: dict, verify: bool = False) -> tuple[
         return "differs", (f"{target} has a receipt without the per-file list (older than "
                            f"{RECEIPT_SCHEMA}), so its files cannot be checked, with or without --verify; "
                            "reinstall it")
+    record = receipt_record_path(target)
+    try:
+        recorded_sha = record.read_text().split()[0]
+    except (OSError, IndexError):
+        return "differs", (f"{target} may have been modified after install: there is no record of its receipt "
+                           f"outside the tree ({record}; installed by an older bundle?), so the receipt cannot be "
+                           "trusted")
+    if sha256_file(target / RECEIPT_NAME) != recorded_sha:
+        return "differs", (f"{target} was modified after install: its receipt's sha256 differs from the one "
+                           f"recorded in {record}; not calling it installed")
     diffs = compare_inventory(recorded, target, verify)
     if diffs:
         how = "size and sha256" if verify else "size and mtime"
@@ -390,6 +406,7 @@ def install_tree(root: Path, dirname: str, target: Path, archives: Iterable[Path
         receipt = write_receipt(staging, plans=plans, files_by_component=files_by_component,
                                 installed_files=len(files), files=files, **receipt_fields)
         staging.chmod(0o755)
+        receipt_sha = sha256_file(staging / RECEIPT_NAME)
         if os.path.lexists(target):
             os.rename(target, aside)
             try:
@@ -400,6 +417,7 @@ def install_tree(root: Path, dirname: str, target: Path, archives: Iterable[Path
             remove_tree(aside)
         else:
             os.rename(staging, target)
+        atomic_write_bytes(receipt_record_path(target), f"{receipt_sha}  {target.name}/{RECEIPT_NAME}\n".encode())
         return receipt
     except OSError as exc:
         raise UserError(f"cannot build {target}: {one_line(exc)}") from None
