@@ -166,10 +166,10 @@ def create_app(engine: Engine) -> FastAPI:
         never waits for them."""
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
-    async def body_json(request: Request):
+    async def body_json(request: Request, max_rows: int | None = None):
         raw = await read_body(request, engine.args.max_body_bytes)
         try:
-            return await off_loop(contract.parse_json, raw)
+            return await off_loop(contract.parse_json, raw, max_rows)
         finally:
             del raw
 
@@ -219,7 +219,7 @@ def create_app(engine: Engine) -> FastAPI:
             t0 = time.perf_counter()
             try:
                 require_ready()
-                body = await body_json(request)
+                body = await body_json(request, engine.args.max_batch_size)
                 if vllm_only or contract.is_vllm_request(body):
                     return await vllm_classify(request, body)
                 rows = await off_loop(parse_native, body)

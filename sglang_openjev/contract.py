@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -84,9 +85,28 @@ def check_body_size(n_bytes: int, max_body_bytes: int) -> None:
                                  f"{max_body_bytes} bytes; split the request", TOO_LARGE)
 
 
-def parse_json(raw: bytes) -> Any:
-    """Request JSON, by orjson where installed (SGLang depends on it): a 20 MB body of many tiny rows
-    parses in a fraction of a second instead of the json module's 4-7 s."""
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+_THIRD_LEVEL = re.compile(rb"\[\s*\[\s*\[")
+
+
+def count_lists(raw: bytes) -> int | None:
+    """JSON arrays in a body, counted on the bytes (strings blanked first): no objects are built.
+    None when lists nest three deep, which no request of rows does (the parser says what is wrong)."""
+    if raw.count(b"[") == 0:
+        return 0
+    bare = _JSON_STRING.sub(b'""', raw)
+    return None if _THIRD_LEVEL.search(bare) else bare.count(b"[")
+
+
+def parse_json(raw: bytes, max_rows: int | None = None) -> Any:
+    """Request JSON, by orjson where installed (SGLang depends on it). With max_rows, a body holding
+    more lists than a request of that many rows can (the rows and the one around them) is a 413
+    before it is parsed: 1.5 M tiny rows would take about a second of parsing, holding the interpreter."""
+    if max_rows is not None and raw.count(b"[") > max_rows + 1 and (n := count_lists(raw) or 0) > max_rows + 1:
+        raise ContractError(413, f"batch of {n - 1} inputs exceeds this server's limit of {max_rows} per request "
+                                 "(counted before parsing); split the request", TOO_LARGE)
     if orjson is not None:
         try:
             return orjson.loads(raw)

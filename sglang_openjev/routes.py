@@ -350,9 +350,9 @@ def install_routes(app: FastAPI, runtime: Optional[SGLangRuntime] = None,
     def model_name(tm: Any) -> str:
         return str(getattr(tm, "served_model_name", None) or tm.server_args.model_path)
 
-    async def body_json(request: Request) -> Any:
+    async def body_json(request: Request, max_rows: Optional[int] = None) -> Any:
         raw = await read_body(request, body_limit)
-        return await asyncio.to_thread(contract.parse_json, raw)  # off the event loop
+        return await asyncio.to_thread(contract.parse_json, raw, max_rows)  # off the event loop
 
     async def vllm(request: Request, tm: Any, limits: contract.Limits, body: Any) -> JSONResponse:
         req = await asyncio.to_thread(contract.parse_vllm_classify, body, limits, runtime.tokenizer(tm), model_name(tm))
@@ -364,7 +364,7 @@ def install_routes(app: FastAPI, runtime: Optional[SGLangRuntime] = None,
         try:
             tm, sched = runtime.ready()
             limits = input_limits(tm, sched, batch_limit, text_limit)
-            body = await body_json(request)
+            body = await body_json(request, limits.max_batch_size)
             if contract.is_vllm_request(body):  # vLLM's own route is POST /classify {"model", "input"}
                 return await vllm(request, tm, limits, body)
             rows = await asyncio.to_thread(contract.parse_classify, body, limits, runtime.tokenizer(tm))
@@ -379,7 +379,7 @@ def install_routes(app: FastAPI, runtime: Optional[SGLangRuntime] = None,
         try:
             tm, sched = runtime.ready()
             limits = input_limits(tm, sched, batch_limit, text_limit)
-            return await vllm(request, tm, limits, await body_json(request))
+            return await vllm(request, tm, limits, await body_json(request, limits.max_batch_size))
         except contract.ContractError as exc:
             return _error(exc)
         except Exception as exc:  # noqa: BLE001

@@ -298,3 +298,15 @@ def test_tokenize_and_detokenize_requests():
     assert contract.parse_detokenize({"tokens": [1, 99]}, limits) == [1, 99]
     assert refused(contract.parse_detokenize, {"tokens": [100]}, limits).status == 400
     assert refused(contract.parse_detokenize, {"tokens": "12"}, limits).status == 400
+
+
+def test_rows_over_the_batch_limit_are_counted_before_parsing():
+    assert contract.count_lists(b'{"input_ids": [[1, 2], [3]]}') == 3
+    assert contract.count_lists(b'{"text": ["a [[[ b", "c\\" [ d"]}') == 1  # brackets inside strings do not count
+    assert contract.parse_json(b'{"input_ids": [[1], [2], [3]]}', max_rows=3) == {"input_ids": [[1], [2], [3]]}
+    assert contract.parse_json(b'{"input_ids": [1, 2, 3, 4, 5]}', max_rows=1) == {"input_ids": [1, 2, 3, 4, 5]}
+    assert contract.parse_json(b'{"text": ["[[[[[[[[", "x"]}', max_rows=2) == {"text": ["[[[[[[[[", "x"]}
+    assert contract.count_lists(b'{"input_ids": [[ [1]], [2]]}') is None  # three deep: left to the parser
+    assert refused(contract.parse_json, b"[" * 5000 + b"]" * 5000, 3).status == 400  # nested too deeply
+    err = refused(contract.parse_json, b'{"input_ids": [[1], [2], [3], [4]]}', 3)
+    assert err.status == 413 and err.type == contract.TOO_LARGE and "batch of 4 inputs" in err.message
