@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watchdog-seconds", type=float, default=float(_env_int("OPENJEV_WATCHDOG_SECONDS", 120)),
                    help="/health answers 503 when queued work has made no progress for this long, so a gateway "
                         "routes away; 0 turns it off (default: 120, env OPENJEV_WATCHDOG_SECONDS)")
+    p.add_argument("--max-queued-requests", type=int, default=_env_int("OPENJEV_MAX_QUEUED_REQUESTS", 512),
+                   help="requests waiting or running at most; one more gets 429 with Retry-After at once instead of "
+                        "a growing queue; 0 = no limit (default: 512, env OPENJEV_MAX_QUEUED_REQUESTS)")
     p.add_argument("--drain-seconds", type=float, default=float(_env_int("OPENJEV_DRAIN_SECONDS", 30)),
                    help="on SIGTERM, admitted requests get this long to finish; one that cannot gets 503 with "
                         "Retry-After before the server exits, never a dropped connection; /health answers 503 "
@@ -117,8 +120,9 @@ def main() -> int:
         raise UserError(f"port {args.port} is out of range: give a TCP port from 1 to 65535")
     if args.step_token_budget < 1 or args.max_body_bytes < 1 or args.max_text_chars < 1:
         raise UserError("--step-token-budget, --max-body-bytes and --max-text-chars must be >= 1")
-    if args.watchdog_seconds < 0 or args.torch_threads < 0 or args.drain_seconds < 0:
-        raise UserError("--watchdog-seconds, --drain-seconds and --torch-threads must not be negative")
+    if min(args.watchdog_seconds, args.torch_threads, args.drain_seconds, args.max_queued_requests) < 0:
+        raise UserError("--watchdog-seconds, --drain-seconds, --max-queued-requests and --torch-threads must not "
+                        "be negative")
     if not (args.checkpoint / "config.json").is_file():
         raise UserError(f"{args.checkpoint} is not a model directory (no config.json)")
     from openjev.engine.fused import fused_mode

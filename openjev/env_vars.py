@@ -53,6 +53,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "characters of all texts of one request (--max-text-chars)"),
     EnvVar("OPENJEV_STEP_TOKEN_BUDGET", "operator", "16384", "serve_transformers.py",
            "padded tokens of one scheduling step (--step-token-budget)"),
+    EnvVar("OPENJEV_MAX_QUEUED_REQUESTS", "operator", "512", "serve_transformers.py",
+           "requests waiting or running at most; one more gets 429 (--max-queued-requests; 0 no limit)"),
     EnvVar("OPENJEV_DRAIN_SECONDS", "operator", "30", "serve_transformers.py",
            "on SIGTERM, how long admitted requests may finish before they get 503 (--drain-seconds)"),
     EnvVar("OPENJEV_TORCH_THREADS", "operator", "0 (all but one core)", "serve_transformers.py", "torch threads (--torch-threads)"),

@@ -33,7 +33,7 @@ class Metrics:
         self.tokens = Counter("openjev_tokens", "tokens of the rows accepted for scoring", registry=r)
         self.errors = Counter("openjev_errors", "error responses by error type", ["type"], registry=r)
         for type_ in (contract.BAD_REQUEST, contract.TOO_LARGE, contract.NOT_FOUND, contract.UNAVAILABLE,
-                      contract.INTERNAL):
+                      contract.OVERLOADED, contract.INTERNAL):
             self.errors.labels(type=type_)  # exported as 0 from the start, so rates work
         self.cancelled_rows = Counter("openjev_cancelled_rows", "queued rows dropped because the client disconnected",
                                       registry=r)
@@ -143,7 +143,7 @@ def create_app(engine: Engine) -> FastAPI:
             else:
                 engine.counters.errors_4xx += 1
             engine.metrics.errors.labels(type=exc.type).inc()
-        headers = {"Retry-After": "5"} if exc.status == 503 else None
+        headers = {"Retry-After": "5"} if exc.status == 503 else {"Retry-After": "1"} if exc.status == 429 else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -174,13 +174,13 @@ def create_app(engine: Engine) -> FastAPI:
             del raw
 
     async def score(request: Request, rows: list[list[int]]):
+        job = engine.submit(rows)  # refuses with 429 when the queue is full
         engine.counters.requests += 1
         engine.counters.rows += len(rows)
         n_tokens = sum(len(r) for r in rows)
         engine.counters.tokens += n_tokens
         engine.metrics.rows.inc(len(rows))
         engine.metrics.tokens.inc(n_tokens)
-        job = engine.submit(rows)
         try:
             while True:  # wait for the rows; a client that goes away cancels what is still queued
                 done, _ = await asyncio.wait({job.future}, timeout=CANCEL_POLL_S)

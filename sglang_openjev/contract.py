@@ -31,6 +31,7 @@ BAD_REQUEST = "invalid_request_error"
 TOO_LARGE = "request_too_large"
 NOT_FOUND = "not_found_error"
 UNAVAILABLE = "service_unavailable"
+OVERLOADED = "overloaded"  # 429: the queue is full; retry after Retry-After
 INTERNAL = "internal_error"
 
 # Bounded work before any parsing. The body limit admits the largest id batch the

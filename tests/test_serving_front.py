@@ -299,6 +299,37 @@ def test_small_request_behind_three_big_ones_is_served_within_two_steps(front):
     assert after - before <= 2, f"the 1-row request waited {after - before} steps"
 
 
+def test_a_full_queue_answers_429_with_retry_after_and_loses_nothing(overlay, tmp_path):
+    """Past --max-queued-requests a request is refused at once with 429 and Retry-After (TEI's
+    overloaded answer) instead of the queue growing without limit; the admitted ones all finish."""
+    srv = start_server(overlay, tmp_path / "log", "--max-queued-requests", "2")
+    try:
+        statuses = []
+
+        def big():
+            statuses.append(post(srv.url, "/classify", {"input_ids": [[4] * LONG] * 4}, timeout=300).status_code)
+
+        threads = [threading.Thread(target=big) for _ in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while requests.get(f"{srv.url}/server_info").json()["queue"]["requests"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        r = post(srv.url, "/classify", {"input_ids": [[1, 2, 3]]})
+        assert r.status_code == 429 and r.headers.get("Retry-After") == "1", r.text
+        err = r.json()["error"]
+        assert err["type"] == "overloaded" and "--max-queued-requests" in err["message"]
+        for t in threads:
+            t.join()
+        assert statuses == [200, 200]
+        assert post(srv.url, "/classify", {"input_ids": [[1, 2, 3]]}).status_code == 200
+        metrics = requests.get(f"{srv.url}/metrics").text
+        assert metric(metrics, "openjev_errors_total", type="overloaded") == 1
+    finally:
+        srv.stop()
+
+
 def test_split_request_logits_equal_the_reference(front, sample_tokens, reference):
     """Rows of one request split over steps and regrouped by length come back bitwise, in order."""
     _, rows = token_rows(sample_tokens)

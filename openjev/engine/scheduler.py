@@ -197,6 +197,11 @@ class Engine:
         loop = asyncio.get_running_loop()
         job = Job(rows, loop, loop.create_future(), results=np.empty((len(rows), 3), dtype=np.float32))
         with self._cv:
+            limit = getattr(self.args, "max_queued_requests", 0)
+            if limit and len(self._pending) >= limit:
+                raise contract.ContractError(
+                    429, f"server is overloaded: {len(self._pending)} requests are queued (--max-queued-requests "
+                         f"{limit}); retry shortly", contract.OVERLOADED)
             if not self._pending:
                 self.last_progress = time.monotonic()  # the watchdog counts from when work arrives
             self._pending.append(job)
@@ -325,7 +330,8 @@ class Engine:
                        "watchdog_seconds": self.args.watchdog_seconds},
             step_token_budget=self.args.step_token_budget,
             limits={"max_body_bytes": self.args.max_body_bytes, "max_text_chars": self.args.max_text_chars,
-                    "max_batch_size": self.args.max_batch_size, "max_input_tokens": self.args.context_length - 1},
+                    "max_batch_size": self.args.max_batch_size, "max_input_tokens": self.args.context_length - 1,
+                    "max_queued_requests": getattr(self.args, "max_queued_requests", 0)},
             threads={"torch_intra_op": self.torch_threads, "cores": available_cores(),
                      "requested": self.args.torch_threads or "auto",
                      "parse_workers": PARSE_WORKERS},
