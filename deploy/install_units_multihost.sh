@@ -83,10 +83,23 @@ multihost_check_tls() {
             die "$TLS_DIR/$f is missing (make it with deploy/openjev_certs.sh, DEPLOYMENT-eva01.md §12, or give --tls-dir)"
         fi
         if [[ $f == *.pem ]]; then
-            mode=$(stat -c %a -- "$TLS_DIR/$f")
-            (((8#$mode & 8#077) == 0)) || die "$TLS_DIR/$f holds a private key but has mode $mode: chmod 600 it"
+            mode=$(stat -L -c %a -- "$TLS_DIR/$f")  # -L: a symlink's target is what HAProxy reads
+            (((8#$mode & 8#077) == 0)) || die "$(readlink -f -- "$TLS_DIR/$f") ($TLS_DIR/$f) holds a private key but has mode $mode: chmod 600 it"
+            multihost_check_certificate "$TLS_DIR/$f"
         fi
     done
+    [[ ! -e $TLS_DIR/ca.key ]] || die "$TLS_DIR/ca.key: the CA's private key is in the serving TLS directory; keep it on the machine that signs certificates (move it away)"
+}
+
+# A certificate in a .pem the configuration names: valid now and signed by TLS_DIR/ca.crt.
+multihost_check_certificate() {
+    local pem=$1 out
+    command -v openssl >/dev/null || return 0  # haproxy -c still loads the files
+    [[ -r $TLS_DIR/ca.crt ]] || return 0
+    out=$(openssl x509 -in "$pem" -noout -checkend 0 2>&1) ||
+        die "$pem: its certificate has expired ($(openssl x509 -in "$pem" -noout -enddate 2>/dev/null || echo unreadable)); make a new one with deploy/openjev_certs.sh"
+    out=$(openssl verify -CAfile "$TLS_DIR/ca.crt" "$pem" 2>&1) ||
+        die "$pem: its certificate does not chain to $TLS_DIR/ca.crt (another CA, or not yet valid): ${out##*$'\n'}"
 }
 
 # Placeholders of the multi-host parts (render() maps every exported R_* variable).

@@ -244,6 +244,63 @@ def test_multihost_options_refuse_bad_input(overlay, pki, tmp_path):
     assert p.returncode == 1 and "mode 644" in p.stderr and not (tmp_path / "u").exists()
 
 
+def test_tls_material_is_checked_at_install(overlay, pki, tmp_path):
+    """An expired certificate, one of another CA, or the CA's key beside the serving certificates is
+    refused with one line; a 0600 pem reached through a symlink is accepted (its target is checked)."""
+    common = ["--root", tmp_path, "--model", overlay, "--unit-dir", tmp_path / "u", "--conf-dir", tmp_path / "c",
+              "--peer-listen", "127.0.0.3:31443", "--dry-run"]
+
+    def tls_dir(name: str, pem: Path | None = None) -> Path:
+        d = tmp_path / name
+        shutil.copytree(pki["tls"]["peer3"], d)
+        if pem is not None:
+            shutil.copy(pem, d / "peer.pem")
+            (d / "peer.pem").chmod(0o600)
+        return d
+
+    def refused(d: Path, *words: str) -> None:
+        p = install(*common, "--tls-dir", d, check=False)
+        lines = error_lines(p.stderr)
+        assert p.returncode == 1 and len(lines) == 1 and all(w in lines[0] for w in words), p.stderr
+        assert not (tmp_path / "u").exists()
+
+    certs("server", pki["rogue"], "peer3", tmp_path / "rogue-peer.pem", "--ip", HOSTS["peer3"])
+    refused(tls_dir("other-ca", tmp_path / "rogue-peer.pem"), "does not chain to", "ca.crt")
+    refused(tls_dir("expired", expired_server_pem(pki["ca"], tmp_path / "expired-work")), "has expired")
+    with_key = tls_dir("with-key")
+    shutil.copy(pki["ca"] / "ca.key", with_key / "ca.key")
+    refused(with_key, "ca.key", "move it away")
+    linked = tls_dir("linked")
+    target = tmp_path / "keys" / "peer.pem"
+    target.parent.mkdir()
+    (linked / "peer.pem").rename(target)
+    (linked / "peer.pem").symlink_to(target)
+    p = install(*common, "--tls-dir", linked, check=False)
+    assert p.returncode == 0 and not error_lines(p.stderr), p.stderr
+    target.chmod(0o640)
+    refused(linked, str(target), "mode 640")
+
+
+def expired_server_pem(ca: Path, work: Path) -> Path:
+    """A server certificate of the deployment's CA whose validity ended in 2020 (openssl ca sets the
+    dates that openssl x509 of OpenSSL 3.0 cannot)."""
+    work.mkdir()
+    (work / "index.txt").write_text("")
+    (work / "serial").write_text("1000\n")
+    (work / "ca.cnf").write_text(
+        "[ca]\ndefault_ca = d\n[d]\ndatabase = index.txt\nnew_certs_dir = .\nserial = serial\n"
+        "default_md = sha256\npolicy = p\nunique_subject = no\n[p]\ncommonName = supplied\n")
+    subprocess.run(["openssl", "req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+                    "-subj", "/CN=peer3", "-keyout", "key.pem", "-out", "req.csr"], cwd=work, check=True,
+                   capture_output=True)
+    subprocess.run(["openssl", "ca", "-batch", "-config", "ca.cnf", "-cert", str(ca / "ca.crt"), "-keyfile",
+                    str(ca / "ca.key"), "-in", "req.csr", "-out", "cert.pem", "-notext", "-startdate",
+                    "20200101000000Z", "-enddate", "20200201000000Z"], cwd=work, check=True, capture_output=True)
+    pem = work / "peer.pem"
+    pem.write_bytes((work / "cert.pem").read_bytes() + (work / "key.pem").read_bytes())
+    return pem
+
+
 def test_openjev_certs_makes_verifiable_certificates_and_refuses_bad_input(tmp_path):
     h = subprocess.run(["bash", str(CERTS), "--help"], capture_output=True, text=True, timeout=30)
     assert h.returncode == 0 and h.stdout.startswith("usage: openjev_certs.sh")
@@ -367,6 +424,57 @@ def test_health_checks_go_through_the_tunnel(cluster, data):
     wait_up(front, ["peer-peer3"], timeout=60)
     print(f"\ntunnel health checks: peer3 without replicas -> front check {st['peer-peer3']['check_status']} "
           f"{st['peer-peer3']['check_code']}, DOWN; 64 requests meanwhile served by {during.by_replica}; back UP")
+
+
+def hold_connections(addr: str, port: int, n: int, source: str) -> list[socket.socket]:
+    """n TCP connections from `source` that never send a byte (idle, or half-open before TLS)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < n + 1000:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, n + 4000), hard))
+    held = []
+    for _ in range(n):
+        s = socket.socket()
+        s.setblocking(False)
+        s.bind((source, 0))
+        try:
+            s.connect((addr, port))
+        except BlockingIOError:
+            pass
+        held.append(s)
+    return held
+
+
+def test_ten_thousand_idle_connections_lock_out_neither_the_peer_nor_the_gateway(cluster, data):
+    """10,000 connections that never start TLS on peer3's listener and 10,000 that never send a request
+    on the front gateway, all from one other address: peer3 stays UP in the front's checks over
+    several check rounds and every request through the front is answered, bitwise (before, 4,200 such
+    connections filled the shared 4,096-connection limit: the front's checks timed out and peer3 went
+    DOWN until they closed)."""
+    rows, ref = data
+    front, peer3 = cluster["front"], cluster["peer3"]
+    wait_up(front, ["replica0", "replica1", "peer-peer3", "peer-peer4"])
+    idle = Load(front["url"], rows, ref, 64, CLIENTS).start().join()
+    assert not idle.failures
+    front_port = int(front["url"].rsplit(":", 1)[1])
+    p99 = lambda lat: float(np.percentile(lat, 99))  # noqa: E731
+    for what, addr, port in (("peer3's listener", HOSTS["peer3"], peer3["peer_port"]),
+                             ("the front gateway", HOSTS["front"], front_port)):
+        held = hold_connections(addr, port, 10_000, "127.0.0.9")
+        try:
+            time.sleep(8)  # four check intervals with the connections held
+            st = servers(front["admin"])
+            assert st["peer-peer3"]["status"].startswith("UP"), (what, st["peer-peer3"])
+            during = Load(front["url"], rows, ref, 64, CLIENTS).start().join()
+            assert not during.failures and not during.mismatches, (what, during.failures[:3])
+            st = servers(front["admin"])
+            assert all(st[n]["status"].startswith("UP") for n in ("peer-peer3", "peer-peer4")), (what, st)
+        finally:
+            for s in held:
+                s.close()
+        print(f"\n10,000 held connections on {what}: peer3 UP, 64 requests all answered; p99 "
+              f"{p99(during.latencies):.3f} s against {p99(idle.latencies):.3f} s idle")
 
 
 def lcp(a: list[int], b: list[int]) -> int:
