@@ -195,18 +195,9 @@ for key, path in [("RUNTIME_URL", ("runtime", "repo")), ("RUNTIME_REV", ("runtim
 # ------------------------------------------------------------------ toolchain selection
 find_compilers() {
     GCC_NOTE=""
-    if [[ -n ${OPENJEV_CC:-} || -n ${OPENJEV_CXX:-} ]]; then
-        [[ -n ${OPENJEV_CC:-} && -n ${OPENJEV_CXX:-} ]] || die "set both OPENJEV_CC and OPENJEV_CXX, or neither"
-        CC_PATH=$(command -v -- "$OPENJEV_CC") || die "OPENJEV_CC='$OPENJEV_CC' is not an executable compiler"
-        CXX_PATH=$(command -v -- "$OPENJEV_CXX") || die "OPENJEV_CXX='$OPENJEV_CXX' is not an executable compiler"
-        return 0
-    fi
-    CC_PATH=$(command -v gcc-10 || true)
-    CXX_PATH=$(command -v g++-10 || true)
-    if [[ -z $CC_PATH || -z $CXX_PATH ]]; then
-        GCC_NOTE="gcc-10/g++-10 are not on PATH: install gcc-10 g++-10 or set OPENJEV_CC and OPENJEV_CXX"
-        CC_PATH=gcc-10 CXX_PATH=g++-10
-    fi
+    find_gcc10 && return 0
+    GCC_NOTE="gcc-10/g++-10 are not on PATH: install gcc-10 g++-10 or set OPENJEV_CC and OPENJEV_CXX"
+    CC_PATH=gcc-10 CXX_PATH=g++-10
 }
 
 default_jobs() {

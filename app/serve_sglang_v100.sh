@@ -320,20 +320,9 @@ detect_profile() {
 
 # Sets CC_PATH and CXX_PATH (empty when no GCC 10 and not required).
 find_compilers() {
-    CC_PATH="" CXX_PATH=""
-    if [[ -n ${OPENJEV_CC:-} || -n ${OPENJEV_CXX:-} ]]; then
-        [[ -n ${OPENJEV_CC:-} && -n ${OPENJEV_CXX:-} ]] || die "set both OPENJEV_CC and OPENJEV_CXX, or neither"
-        CC_PATH=$(command -v -- "$OPENJEV_CC") || die "OPENJEV_CC='$OPENJEV_CC' is not an executable compiler"
-        CXX_PATH=$(command -v -- "$OPENJEV_CXX") || die "OPENJEV_CXX='$OPENJEV_CXX' is not an executable compiler"
-        return 0
-    fi
-    CC_PATH=$(command -v gcc-10 || true)
-    CXX_PATH=$(command -v g++-10 || true)
-    if [[ -z $CC_PATH || -z $CXX_PATH ]]; then
-        CC_PATH="" CXX_PATH=""
-        [[ $PROFILE == sm70-tilelang ]] &&
-            die "GCC 10 is required for SM70 JIT (TileLang C++20 headers) but gcc-10/g++-10 are not on PATH; install gcc-10 g++-10 or set OPENJEV_CC and OPENJEV_CXX"
-    fi
+    find_gcc10 && return 0
+    [[ $PROFILE == sm70-tilelang ]] &&
+        die "GCC 10 is required for SM70 JIT (TileLang C++20 headers) but gcc-10/g++-10 are not on PATH; install gcc-10 g++-10 or set OPENJEV_CC and OPENJEV_CXX"
     return 0
 }
 
