@@ -48,6 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 APP = REPO / "app"
 
 from openjev.common import UserError, atomic_write_json, git_revision, run_main, utc_now
+from openjev_testsupport.ports import free_port
 from openjev_testsupport import unit_runner
 
 KIND = "openjev-gateway-bench"
@@ -96,10 +97,6 @@ def build_tiny(work: Path) -> tuple[Path, Path, Path]:
     return model, tokens, ref
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def free_pair() -> int:

@@ -43,6 +43,7 @@ APP = REPO / "app"
 from openjev.bench import agreement as bench_agreement
 from openjev.bench import client as bench_client
 from openjev.bench import receipt as bench_receipt
+from openjev_testsupport.ports import free_port
 from openjev.common import UserError, atomic_write_json, environment_receipt, run_main, utc_now
 
 KIND = "openjev-harness-overhead"
@@ -102,10 +103,6 @@ def serve_null(port: int) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(cmd: list, **kw) -> subprocess.CompletedProcess:

@@ -66,6 +66,7 @@ from bench_gateway import admin, build_tiny, machine, run, summary_ms
 from openjev.common import UserError, atomic_write_json, git_revision, run_main, utc_now
 from openjev_testsupport import unit_runner
 from openjev_testsupport.pki import CERTS, make_host_tls
+from openjev_testsupport.ports import free_ports_on
 
 KIND = "openjev-multihost-bench"
 DEFAULT_OUT = REPO / "benchmarks" / "results_cpu" / "multihost_cpu.json"
@@ -92,19 +93,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------- setup
-def free_ports_on(addr: str, count: int = 1) -> int:
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind((addr, 0))
-            base = s.getsockname()[1]
-        try:
-            for k in range(1, count):
-                with socket.socket() as s:
-                    s.bind((addr, base + k))
-        except OSError:
-            continue
-        return base
-    raise UserError(f"no {count} consecutive free ports on {addr}")
 
 
 def make_pki(work: Path) -> dict[str, Path]:

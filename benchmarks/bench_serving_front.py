@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,7 @@ APP = REPO / "app"
 SAMPLE = REPO / "data" / "nli_sample.jsonl"
 from bench_gateway import machine as machine_facts
 
+from openjev_testsupport.ports import free_port
 from openjev.common import UserError, run_main, utc_now
 
 
@@ -73,10 +73,6 @@ def machine(label: str | None) -> dict:
     return {**m, "label": label or f"cpu: {cpu}, {m['cpu_count']} logical CPUs (no GPU; not a V100)"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(*cmd) -> None:

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ from pathlib import Path
 
 import pytest
 import requests
+
+from openjev_testsupport.ports import free_port, free_ports_on  # noqa: F401 - the tests import them from here
 
 REPO = Path(__file__).resolve().parents[1]
 APP = REPO / "app"
@@ -121,10 +122,6 @@ SHELLCHECK_MISSING = ("shellcheck is not installed (requirements.txt pins shellc
                       "into .venv; or apt-get install shellcheck)")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tree_digest(root: Path) -> dict[str, tuple]:

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
-from conftest import PY, REPO, error_lines, free_port, token_rows
+from conftest import PY, REPO, error_lines, free_port, free_ports_on, token_rows
 
 from openjev_testsupport import unit_runner
 
@@ -69,19 +69,6 @@ CLIENTS = 8
 
 
 # ---------------------------------------------------------------- helpers
-def free_port_pair() -> int:
-    """A port P such that P and P+1 are both free (replica ports are base + GPU index)."""
-    for _ in range(200):
-        base = free_port()
-        if base >= 65535:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", base + 1))
-            except OSError:
-                continue
-        return base
-    raise RuntimeError("no two consecutive free ports")
 
 
 def install(*args, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -222,7 +209,7 @@ def deployment(overlay, tmp_path_factory):
     if HAPROXY is None:
         pytest.skip("haproxy is not installed: apt-get install -y haproxy (Debian package)")
     base = tmp_path_factory.mktemp("deploy")
-    r = render(base, overlay, free_port(), free_port(), free_port_pair())
+    r = render(base, overlay, free_port(), free_port(), free_ports_on("127.0.0.1", 2))
     # Short runtime path: AF_UNIX socket paths are limited to 107 bytes.
     runtime = Path(f"/tmp/openjev-deploy-test-{os.getpid()}")
     mgr = unit_runner.Manager(r["units"], runtime, base / "journal")
@@ -618,7 +605,7 @@ def test_install_units_creates_a_missing_root(overlay, tmp_path):
 
 @needs_haproxy
 def test_unit_runner_names_a_missing_working_directory_in_one_line(overlay, tmp_path):
-    r = render(tmp_path, overlay, free_port(), free_port(), free_port_pair())
+    r = render(tmp_path, overlay, free_port(), free_port(), free_ports_on("127.0.0.1", 2))
     r["root"].rmdir()  # the root went away after the install (or was never made)
     proc = subprocess.run([PY, "-m", "openjev_testsupport.unit_runner", str(r["units"])], capture_output=True, text=True,
                           timeout=60)

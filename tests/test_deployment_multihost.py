@@ -37,6 +37,7 @@ from conftest import PY, REPO, error_lines, token_rows
 from test_deployment import ANALYZE, HAPROXY, Load, admin, install, unit_runner, wait_for
 
 from openjev_testsupport.pki import CERTS, make_host_tls
+from openjev_testsupport.ports import free_ports_on
 
 OPENSSL = shutil.which("openssl")
 HOSTS = {"front": "127.0.0.2", "peer3": "127.0.0.3", "peer4": "127.0.0.4"}
@@ -51,22 +52,6 @@ pytestmark = [
 
 
 # ---------------------------------------------------------------- helpers
-def free_ports_on(addr: str, count: int = 1) -> int:
-    """A port P on addr such that P .. P+count-1 are all free there."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind((addr, 0))
-            base = s.getsockname()[1]
-        if base + count > 65535:
-            continue
-        try:
-            for k in range(1, count):
-                with socket.socket() as s:
-                    s.bind((addr, base + k))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError(f"no {count} consecutive free ports on {addr}")
 
 
 def certs(*args) -> subprocess.CompletedProcess:
