@@ -36,10 +36,13 @@ import sys
 from pathlib import Path
 
 from openjev.common import UserError, atomic_write_json, load_sources, openjev_root, run_main, sha256_file, utc_now
+from openjev.pins import HostPins, check_sha256, host_pins_path
 from sglang_openjev.contract import check_label_order
 from sglang_openjev.weights import checkpoint_tensor_problems
 
 MARKER = ".openjev_overlay.json"
+MADE_BY = "app/prepare_v100_model.py"
+REVISION_KEY = "base_model.revision"
 PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json")
 ARCHITECTURES = {"Qwen3_5ForSequenceClassification"}
 # The launcher (sglang_openjev.launch_server) serves only the multimodal qwen3_5 config with text_config:
@@ -58,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-unpinned", action="store_true",
                    help="accept processor configs or a base revision that HF_SOURCE.json leaves null, and a processor "
                         "config carried inside the checkpoint that differs from its pin (all recorded)")
+    p.add_argument("--record-pins", action="store_true",
+                   help="trust on first use: where HF_SOURCE.json pins nothing (the base revision, a processor "
+                        "config's sha256), record what this run downloads in --pins; later runs verify against it")
+    p.add_argument("--pins", type=Path, default=None,
+                   help="pins recorded on this host (default: $OPENJEV_V100_ROOT/pins.json)")
     p.add_argument("--replace", action="store_true",
                    help="rebuild an existing overlay made by this script for a different checkpoint")
     return p
@@ -129,13 +137,10 @@ def overlay_plan(checkpoint: Path) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------- processor configs
-def fetch_processor_files(args, base: dict, staging: Path) -> dict[str, dict]:
+def fetch_processor_files(args, base: dict, staging: Path, pins: HostPins) -> dict[str, dict]:
     """Place the two processor configs in `staging`, verified; return their receipt entries."""
-    pins = base.get("files") or {}
-    revision = base.get("revision")
-    if args.processor_dir is None and revision is None and not args.allow_unpinned:
-        raise UserError(f"HF_SOURCE.json pins no revision of {base.get('repo')} (null); refusing to download from "
-                        "an unpinned branch (pass --processor-dir, or --allow-unpinned to use the default branch)")
+    bundle_pins = base.get("files") or {}
+    revision = None if args.processor_dir is not None else resolve_revision(args, base, pins)
     out = {}
     for name in PROCESSOR_FILES:
         if args.processor_dir is not None:
@@ -145,17 +150,36 @@ def fetch_processor_files(args, base: dict, staging: Path) -> dict[str, dict]:
             origin = str(src.resolve())
         else:
             src = Path(_hub_download(base["repo"], name, revision))
+            if revision is None and args.record_pins:  # the default branch, now: record the commit it was
+                revision = snapshot_commit(src)
+                pins.record(REVISION_KEY, revision, source=f"hf://{base['repo']} default branch", by=MADE_BY)
             origin = f"hf://{base['repo']}@{revision or 'default-branch'}/{name}"
-        digest = sha256_file(src)
-        pinned = pins.get(name)
-        if pinned is None and not args.allow_unpinned:
-            raise UserError(f"{name} has no pinned sha256 in HF_SOURCE.json (null); refusing to use it unverified "
-                            f"(its sha256 is {digest}; pin it, or pass --allow-unpinned, which is recorded)")
-        if pinned is not None and pinned != digest:
-            raise UserError(f"{name} from {origin} has sha256 {digest}, HF_SOURCE.json pins {pinned}; refusing")
+        entry = check_sha256(pins, f"base_model.files.{name}", bundle_pins.get(name), sha256_file(src), origin=origin,
+                             record=args.record_pins, allow_unpinned=args.allow_unpinned, by=MADE_BY)
         shutil.copyfile(src, staging / name)
-        out[name] = {"sha256": digest, "pinned": pinned is not None, "source": origin}
+        out[name] = {**entry, "source": origin}
     return out
+
+
+def resolve_revision(args, base: dict, pins: HostPins) -> str | None:
+    """The base model's revision to download at: the bundle's pin, else the one recorded on this host;
+    None (the default branch) only with --record-pins (recorded then) or --allow-unpinned."""
+    if base.get("revision"):
+        return base["revision"]
+    if (rec := pins.get(REVISION_KEY)) is not None:
+        return rec["value"]
+    if args.record_pins or args.allow_unpinned:
+        return None
+    raise UserError(f"HF_SOURCE.json pins no revision of {base.get('repo')} (null) and none is recorded in "
+                    f"{pins.path}; refusing to download from an unpinned branch (pass --processor-dir, "
+                    "--record-pins to record the default branch's commit on first use, or --allow-unpinned)")
+
+
+def snapshot_commit(path: Path) -> str:
+    """The commit a hub download resolved to: huggingface_hub keeps it as .../snapshots/<commit>/FILE."""
+    if path.parent.parent.name != "snapshots" or len(path.parent.name) != 40:
+        raise UserError(f"cannot tell which commit {path} was downloaded at; pin the revision by hand")
+    return path.parent.name
 
 
 def _hub_download(repo: str, filename: str, revision: str | None) -> str:
@@ -277,6 +301,7 @@ def _main() -> int:
     clean_stale(out)
 
     base = load_sources(args.sources).get("base_model") or {}
+    pins = HostPins(args.pins or host_pins_path())
     plan = overlay_plan(ckpt)
     staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -290,7 +315,7 @@ def _main() -> int:
                           for n in own}
         missing = [n for n in PROCESSOR_FILES if n not in plan]
         if missing:
-            fetched = fetch_processor_files(args, base, staging)
+            fetched = fetch_processor_files(args, base, staging, pins)
             processors.update({n: e for n, e in fetched.items() if n in missing})
             for n in set(fetched) - set(missing):
                 (staging / n).unlink()
@@ -298,9 +323,10 @@ def _main() -> int:
             print(f"{out} is already an up-to-date overlay of {ckpt.resolve()}; nothing to do")
             return 0
         receipt = {
-            "made_by": "app/prepare_v100_model.py", "made_at": utc_now(), "checkpoint": str(ckpt.resolve()),
+            "made_by": MADE_BY, "made_at": utc_now(), "checkpoint": str(ckpt.resolve()),
             "links": plan, "processor_files": processors,
-            "base_model": {"repo": base.get("repo"), "revision": base.get("revision")},
+            "base_model": {"repo": base.get("repo"), "revision": base.get("revision"),
+                           "revision_recorded_on_this_host": (pins.get(REVISION_KEY) or {}).get("value")},
             "allow_unpinned": args.allow_unpinned,
         }
         if marker is not None and (foreign := foreign_entries(out, marker)):

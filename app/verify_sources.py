@@ -8,7 +8,9 @@ extension module planted beside a .py (`routes.cpython-311-x86_64-linux-gnu.so` 
 instead of routes.py), a `.pth`, `__pycache__/*.pyc` bytecode, data files, symlinks. Bytecode
 belongs outside the directory: the launcher and the test suite set PYTHONPYCACHEPREFIX. A null pin is refused unless --allow-unpinned. The other
 pins (runtime, FlashInfer, CUDA, PyTorch, Rust, protoc) are listed with their state; the scripts
-that download those verify them at the time they use them.
+that download those verify them at the time they use them. Pins recorded on this host where the
+bundle pins none (trust on first use, `prepare_v100_model.py --record-pins`; --pins, default
+$OPENJEV_V100_ROOT/pins.json) are listed as such, each with when and by what it was recorded.
 
 Exit status: 0 all verified; 1 a mismatch, a missing or unlisted file, or a refused null pin.
 
@@ -26,6 +28,7 @@ import os
 from pathlib import Path
 
 from openjev.common import REPO_ROOT, UserError, load_sources, run_main, sha256_file
+from openjev.pins import HostPins, host_pins_path
 
 # Pins that other scripts consume: (HF_SOURCE key, field) -> the script that verifies it.
 OTHER_PINS = {
@@ -43,6 +46,8 @@ OTHER_PINS = {
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sources", type=Path, default=None, help="pinned-source file (default: the bundle's HF_SOURCE.json)")
+    p.add_argument("--pins", type=Path, default=None,
+                   help="pins recorded on this host (default: $OPENJEV_V100_ROOT/pins.json; absent: none)")
     p.add_argument("--root", type=Path, default=REPO_ROOT,
                    help="bundle root holding the adapter directory (default: this checkout)")
     p.add_argument("--allow-unpinned", action="store_true", help="report null adapter pins instead of refusing them")
@@ -98,15 +103,21 @@ def main() -> int:
     rows = compare(adapter.get("files") or {}, local, args.allow_unpinned)
     other = [{"pin": f"{k}.{f}", "value": (sources.get(k) or {}).get(f), "verified_by": s}
              for (k, f), s in OTHER_PINS.items()]
+    host = HostPins(args.pins or host_pins_path())
+    recorded = [{"pin": k, **v} for k, v in sorted(host.entries.items())]
     bad = [r for r in rows if r["status"] not in ("ok", "unpinned-allowed")]
     if args.json:
         print(json.dumps({"adapter_dir": str(adapter_dir), "files": rows, "other_pins": other,
+                          "host_pins": {"file": str(host.path), "pins": recorded},
                           "allow_unpinned": args.allow_unpinned, "ok": not bad}, indent=2))
     else:
         for r in rows:
             print(f"{r['status']:>16}  {adapter_dir.name}/{r['file']}")
         for o in other:
-            print(f"{'pinned' if o['value'] else 'NULL':>16}  {o['pin']} (checked by {o['verified_by']})")
+            print(f"{'bundle pin' if o['value'] else 'NULL':>16}  {o['pin']} (checked by {o['verified_by']})")
+        for r in recorded:
+            print(f"{'host pin':>16}  {r['pin']} = {r['value']} (recorded {r['recorded_at']} by {r['recorded_by']}, "
+                  f"trust on first use; {host.path})")
     if not rows:
         raise UserError(f"no adapter files found under {adapter_dir}")
     if bad:

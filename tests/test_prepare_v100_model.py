@@ -197,7 +197,9 @@ class _HubHandler(http.server.BaseHTTPRequestHandler):
         self.server.requests.append((self.command, self.path))
         parts = self.path.split("?")[0].strip("/").split("/")
         # Qwen/Qwen3.5-4B/resolve/<rev>/<file>
-        if len(parts) == 5 and parts[2] == "resolve" and parts[3] == self.server.revision and parts[4] in self.server.files:
+        # the default branch ("main") resolves to the served revision, as the hub's does
+        if len(parts) == 5 and parts[2] == "resolve" and parts[3] in (self.server.revision, "main") \
+                and parts[4] in self.server.files:
             return self.server.files[parts[4]]
         return None
 
@@ -268,6 +270,46 @@ def test_unpinned_revision_refuses_to_download(tiny_model, fake_hub, tmp_path):
                       env=hub_env(fake_hub, tmp_path))
     assert_refused(proc, out, "pins no revision")
     assert fake_hub.requests == []
+
+
+def test_pins_recorded_on_first_use_are_verified_after(tiny_model, fake_hub, tmp_path):
+    """Where HF_SOURCE.json pins neither the revision nor the hashes: refused without a choice;
+    --record-pins records the default branch's commit and both sha256 (the receipt says so); a later
+    run downloads at that commit and verifies against the record; a changed upstream file or an
+    edited record is refused; verify_sources.py lists the host's pins as such."""
+    src, pins_file = sources_with(tmp_path), tmp_path / "root" / "pins.json"
+    env = hub_env(fake_hub, tmp_path)
+
+    def prepare(out, *extra, cache="hfcache"):
+        return run_script("prepare_v100_model.py", tiny_model["checkpoint"], tmp_path / out, "--sources", src,
+                          "--pins", pins_file, *extra, env={**env, "HF_HUB_CACHE": str(tmp_path / cache)})
+
+    assert_refused(prepare("m0"), tmp_path / "m0", "pins no revision", "--record-pins")
+    first = prepare("m1", "--record-pins")
+    assert first.returncode == 0, first.stderr
+    assert ("GET", "/Qwen/Qwen3.5-4B/resolve/main/preprocessor_config.json") in fake_hub.requests
+    pins = json.loads(pins_file.read_text())
+    assert pins["kind"] == "openjev-host-pins" and pins["pins"]["base_model.revision"]["value"] == REVISION
+    assert pins["pins"]["base_model.files.preprocessor_config.json"]["value"] == real_pins(tiny_model["processor"])[
+        "preprocessor_config.json"]
+    marker = json.loads((tmp_path / "m1" / ".openjev_overlay.json").read_text())
+    assert marker["processor_files"]["preprocessor_config.json"]["pin"] == "recorded now (trust on first use)"
+    fake_hub.requests.clear()
+    second = prepare("m2", cache="hfcache2")
+    assert second.returncode == 0, second.stderr
+    assert {p for _, p in fake_hub.requests} == {f"/Qwen/Qwen3.5-4B/resolve/{REVISION}/{n}" for n in
+                                                 ("preprocessor_config.json", "video_preprocessor_config.json")}
+    marker = json.loads((tmp_path / "m2" / ".openjev_overlay.json").read_text())
+    assert marker["processor_files"]["video_preprocessor_config.json"]["pin"] == "host"
+    listed = run_script("verify_sources.py", "--pins", pins_file)
+    assert listed.returncode == 0 and "host pin  base_model.revision = " + REVISION in listed.stdout, listed.stdout
+    fake_hub.files["preprocessor_config.json"] += b"\n"  # upstream changed
+    assert_refused(prepare("m3", cache="hfcache3"), tmp_path / "m3", "preprocessor_config.json", "recorded")
+    doc = json.loads(pins_file.read_text())
+    doc["pins"]["base_model.files.video_preprocessor_config.json"]["value"] = "0" * 64
+    pins_file.write_text(json.dumps(doc))
+    fake_hub.files["preprocessor_config.json"] = (tiny_model["processor"] / "preprocessor_config.json").read_bytes()
+    assert_refused(prepare("m4", cache="hfcache4"), tmp_path / "m4", "video_preprocessor_config.json", "0" * 64)
 
 
 def test_help_documents_the_options():
