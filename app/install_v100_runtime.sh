@@ -54,7 +54,8 @@ Steps (each detects that it is already done, so re-running is safe)
    toolchain    export CC/CXX/CUDAHOSTCXX (GCC 10), CUDA_HOME, RUSTUP_HOME, CARGO_HOME, PROTOC,
                 PATH, TORCH_CUDA_ARCH_LIST=7.0, MAX_JOBS, pip cache and TMPDIR under the root
    dirs         create the directories under the root
-   rust         rustup-init (sha256 from HF_SOURCE.json) -> Rust <rust.version> in $ROOT/rustup,
+   rust         rustup-init <rust.rustup_version> for x86_64 (versioned archive URL, sha256 from
+                HF_SOURCE.json) -> Rust <rust.version> in $ROOT/rustup,
                 $ROOT/cargo
    protoc       protoc <protoc.version> (sha256 from HF_SOURCE.json) -> $ROOT/protoc
    runtime      clone the runtime into $ROOT/src/sglang-V100, check out the pinned revision,
@@ -169,6 +170,7 @@ for key, path in [("RUNTIME_URL", ("runtime", "repo")), ("RUNTIME_REV", ("runtim
                   ("FLASHINFER_URL", ("flashinfer", "repo")), ("FLASHINFER_REV", ("flashinfer", "revision")),
                   ("TORCH_VERSION", ("torch", "version")), ("TORCHVISION_VERSION", ("torchvision", "version")),
                   ("RUST_VERSION", ("rust", "version")), ("RUSTUP_SHA256", ("rust", "rustup_init_sha256")),
+                  ("RUSTUP_URL", ("rust", "rustup_init_url")),
                   ("PROTOC_VERSION", ("protoc", "version")), ("PROTOC_URL", ("protoc", "url")),
                   ("PROTOC_SHA256", ("protoc", "sha256"))]:
     value = get(*path)
@@ -179,13 +181,13 @@ for key, path in [("RUNTIME_URL", ("runtime", "repo")), ("RUNTIME_REV", ("runtim
     while IFS='=' read -r key value; do
         case $key in
             RUNTIME_URL | RUNTIME_REV | FLASHINFER_URL | FLASHINFER_REV | TORCH_VERSION | TORCHVISION_VERSION | \
-                RUST_VERSION | RUSTUP_SHA256 | PROTOC_VERSION | PROTOC_URL | PROTOC_SHA256)
+                RUST_VERSION | RUSTUP_SHA256 | RUSTUP_URL | PROTOC_VERSION | PROTOC_URL | PROTOC_SHA256)
                 printf -v "$key" '%s' "$value"
                 ;;
         esac
     done <<<"$lines"
     local name
-    for name in RUNTIME_URL RUNTIME_REV FLASHINFER_URL FLASHINFER_REV RUST_VERSION PROTOC_VERSION PROTOC_URL TORCH_VERSION; do
+    for name in RUNTIME_URL RUNTIME_REV FLASHINFER_URL FLASHINFER_REV RUST_VERSION RUSTUP_URL PROTOC_VERSION PROTOC_URL TORCH_VERSION; do
         [[ -n ${!name} ]] || die "$HF_SOURCE has no value for ${name,,}; these pins cannot be overridden"
     done
     [[ $RUNTIME_REV =~ ^[0-9a-f]{40}$ && $FLASHINFER_REV =~ ^[0-9a-f]{40}$ ]] ||
@@ -278,7 +280,7 @@ build_plan() {
     rustup_init=$DOWNLOADS/rustup-init-$(uname -m)
     verify=""
     [[ -n $RUSTUP_SHA256 ]] && verify=" && echo $(q "$RUSTUP_SHA256  $rustup_init.part") | sha256sum -c --quiet -"
-    step rust "$rust_done" "$(q curl -fsSL --retry 3 -o "$rustup_init.part" "https://static.rust-lang.org/rustup/dist/$(uname -m)-unknown-linux-gnu/rustup-init")$verify && $(q chmod +x "$rustup_init.part") && $(q mv "$rustup_init.part" "$rustup_init")" rust
+    step rust "$rust_done" "$(q curl -fsSL --retry 3 -o "$rustup_init.part" "$RUSTUP_URL")$verify && $(q chmod +x "$rustup_init.part") && $(q mv "$rustup_init.part" "$rustup_init")" rust
     step rust "$rust_done" "$(q "$rustup_init" -y --no-modify-path --profile minimal --default-toolchain "$RUST_VERSION")"
     protoc_done="[ \"\$($(q "$ROOT/protoc/bin/protoc") --version 2>/dev/null)\" = $(q "libprotoc $PROTOC_VERSION") ]"
     local protoc_zip=$DOWNLOADS/protoc-$PROTOC_VERSION.zip

@@ -227,24 +227,27 @@ def test_dry_run_commands_are_valid_shell(tmp_path, patch_dir):
 
 def test_dry_run_states_pins_and_prerequisites(tmp_path, patch_dir):
     proc = dry_run(tmp_path, patch_dir, env={"PATH": "/usr/bin:/bin"})
-    assert "note: rustup_sha256 is null" in proc.stdout and "--allow-unpinned" in proc.stdout
-    assert "protoc_sha256 is null" not in proc.stdout  # pinned in HF_SOURCE.json from two public sources
+    assert "rustup_sha256 is null" not in proc.stdout and "protoc_sha256 is null" not in proc.stdout
+    # both pinned in HF_SOURCE.json from two public sources each; rustup-init from its versioned archive URL
+    rust = next(cmd for _, stage, cmd, _ in plan_steps(proc.stdout) if stage == "rust")
+    assert SOURCES["rust"]["rustup_init_url"] in rust and SOURCES["rust"]["rustup_init_sha256"] in rust
+    assert "/rustup/archive/1.28.2/" in SOURCES["rust"]["rustup_init_url"] and "sha256sum -c" in rust
     protoc = next(cmd for _, stage, cmd, _ in plan_steps(proc.stdout) if stage == "protoc")
     assert SOURCES['protoc']['sha256'] in protoc and "sha256sum -c" in protoc
     assert "prepare_v100_cuda.py" in proc.stdout  # no private toolkit under this root yet
-    unpinned = dry_run(tmp_path, patch_dir, "--allow-unpinned")
+    # with a null hash: a note, and --allow-unpinned is the one-off that is recorded
+    sources = json.loads(json.dumps(SOURCES))
+    sources["rust"]["rustup_init_sha256"] = None
+    nulled = tmp_path / "HF_SOURCE.json"
+    nulled.write_text(json.dumps(sources))
+    proc = dry_run(tmp_path, patch_dir, env={"OPENJEV_HF_SOURCE": str(nulled)})
+    assert "note: rustup_sha256 is null" in proc.stdout and "--allow-unpinned" in proc.stdout
+    unpinned = dry_run(tmp_path, patch_dir, "--allow-unpinned", env={"OPENJEV_HF_SOURCE": str(nulled)})
     assert "used unverified (--allow-unpinned, recorded in the receipt)" in unpinned.stdout
     receipt = next(cmd for _, stage, cmd, _ in plan_steps(unpinned.stdout) if stage == "receipt")
     assert receipt.endswith("--allow-unpinned")
-    # with a pinned hash the download is verified in the same command
-    sources = json.loads(json.dumps(SOURCES))
-    sources["rust"]["rustup_init_sha256"] = "ab" * 32
-    pinned = tmp_path / "HF_SOURCE.json"
-    pinned.write_text(json.dumps(sources))
-    proc = dry_run(tmp_path, patch_dir, env={"OPENJEV_HF_SOURCE": str(pinned)})
-    download = next(cmd for _, stage, cmd, _ in plan_steps(proc.stdout) if stage == "rust")
-    assert f"echo {'ab' * 32}\\ \\ " in download and "sha256sum -c --quiet -" in download
-    assert "rustup_sha256 is null" not in proc.stdout
+    download = next(cmd for _, stage, cmd, _ in plan_steps(unpinned.stdout) if stage == "rust")
+    assert "sha256sum" not in download
 
 
 def test_dry_run_gcc_selection(tmp_path, patch_dir):
