@@ -18,6 +18,8 @@
 set -uo pipefail
 OUT=${1:?usage: h200_session.sh OUTDIR}
 PY=${PYTHON:-python3}
+# the bundle's library (openjev, sglang_openjev) is not pip-installed on the GPU machine
+export PYTHONPATH="$(pwd -P)${PYTHONPATH:+:$PYTHONPATH}"
 W=${WORK:-/tmp/openjev-h200}
 R="$W/results"   # packed into OUTDIR/results_h200.tgz
 SHAPE=${SHAPE:-qwen3.5-4b}

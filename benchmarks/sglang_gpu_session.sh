@@ -52,7 +52,8 @@ LABEL="NVIDIA H200 (development machine, SM90; not a V100)"
 REPO=$(pwd -P)
 SHIM="$REPO/openjev_testsupport/sgl_kernel_cuda_standin/shim"
 mkdir -p "$R" "$OUTDIR"
-export PYTHONPATH="$SITE:$SHIM${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# the bundle's library (openjev, sglang_openjev) is not pip-installed on the GPU machine: the repo goes first
+export PYTHONPATH="$REPO:$SITE:$SHIM${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # sgl_kernel's package metadata says 0.4.10, but its compiled library is absent: SGLang's start-up
 # version assertion reads the distribution, not the ops.
 export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1

@@ -45,6 +45,8 @@ PROFILE_ARGS=${PROFILE_ARGS:-} SERVER_ARGS=${SERVER_ARGS:---max-running-requests
 OPENJEV_COMPILE=${OPENJEV_COMPILE:-}
 OUTDIR=${1:?usage: embedded_h200_session.sh OUTDIR}
 PY=${PYTHON:-python3}
+# the bundle's library (openjev, sglang_openjev) is not pip-installed on the GPU machine
+export PYTHONPATH="$(pwd -P)${PYTHONPATH:+:$PYTHONPATH}"
 W=${WORK:-/tmp/openjev-h200}
 R="$W/results-embedded"
 SHAPE=${SHAPE:-qwen3.5-4b}
