@@ -228,6 +228,12 @@ class Engine:
         with self._cv:
             return len(self._pending), sum(len(j.rows) - j.done_rows for j in self._pending)
 
+    def _retire(self, job: Job) -> None:
+        """A finished request leaves the queue when its answer is handed over (not at the step's end),
+        so that no one who has the answer sees it still queued."""
+        if job in self._pending:
+            self._pending.remove(job)
+
     def stalled_for(self) -> float:
         """Seconds queued work has made no progress (0 with nothing queued)."""
         with self._cv:
@@ -305,6 +311,7 @@ class Engine:
                 job.results[i] = logits[k]
                 job.done_rows += 1
                 if job.done_rows == len(job.rows):
+                    self._retire(job)
                     job.loop.call_soon_threadsafe(_set_result, job.future, job.results)
 
     def stop(self) -> None:
