@@ -247,9 +247,13 @@ def checkpoint_tensor_problems(directory: str | Path, config: dict) -> list[str]
             target[rel] = shape
     if other:
         return other
-    missing, extra, mismatched = compare_shapes(seen, expected_backbone_shapes(text, layer_types))
     try:
-        check_head_weights(head, config.get("num_labels") or len(config.get("id2label") or {}), text["hidden_size"])
+        expected = expected_backbone_shapes(text, layer_types)
+    except (TypeError, ValueError) as exc:  # a config without the sizes; the config checks say more
+        return [f"cannot tell the expected tensor shapes from config.json text_config ({exc})"]
+    missing, extra, mismatched = compare_shapes(seen, expected)
+    try:
+        check_head_weights(head, config.get("num_labels") or len(config.get("id2label") or {}), text.get("hidden_size"))
     except ValueError as exc:
         other.append(str(exc))
     return loading_problems(missing, unexpected + extra, duplicated, mismatched, other)

@@ -226,8 +226,13 @@ def test_install_units_refuses_bench_args_the_bench_would_refuse(tmp_path, sampl
         good.replace("in.tokens.jsonl", "missing.tokens.jsonl"): "missing.tokens.jsonl",
         good + " --set 'unclosed": "--bench-args",
     }
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(cases)) as pool:  # independent dry runs, side by side
+        results = dict(zip(cases, pool.map(lambda a: install_bench(tmp_path, "--bench-timer", "daily",
+                                                                   "--bench-args", a), cases)))
     for args, expect in cases.items():
-        r = install_bench(tmp_path, "--bench-timer", "daily", "--bench-args", args)
+        r = results[args]
         lines = error_lines(r.stderr)
         assert r.returncode != 0 and len(lines) == 1 and "--bench-args" in lines[0] and expect in lines[0], (
             args, r.stderr)

@@ -105,10 +105,15 @@ def test_tokenize_refuses_bad_inputs_and_existing_output(overlay, tmp_path):
 @pytest.mark.parametrize("read_only", [False, True], ids=["full-disk", "read-only"])
 def test_outputs_on_a_full_or_read_only_disk_are_one_line_and_leave_nothing(overlay, sample_tokens, tmp_path,
                                                                             read_only):
-    tok = on_full_disk(tmp_path / "d1", PY, APP / "tokenize_nli.py", "--model", overlay, "--inputs", SAMPLE,
-                       "--out", tmp_path / "d1" / "t.jsonl", read_only=read_only)
-    ref = on_full_disk(tmp_path / "d2", PY, APP / "score_reference.py", "--model", overlay, "--tokens", sample_tokens,
-                       "--inputs", SAMPLE, "--out", tmp_path / "d2" / "ref", read_only=read_only)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:  # the two scripts side by side, each on its own disk
+        tok = pool.submit(on_full_disk, tmp_path / "d1", PY, APP / "tokenize_nli.py", "--model", overlay, "--inputs",
+                          SAMPLE, "--out", tmp_path / "d1" / "t.jsonl", read_only=read_only)
+        ref = pool.submit(on_full_disk, tmp_path / "d2", PY, APP / "score_reference.py", "--model", overlay,
+                          "--tokens", sample_tokens, "--inputs", SAMPLE, "--out", tmp_path / "d2" / "ref",
+                          read_only=read_only)
+        tok, ref = tok.result(), ref.result()
     want = "Read-only file system" if read_only else "No space left on device"
     for proc in (tok, ref):
         lines = error_lines(proc.stderr)
