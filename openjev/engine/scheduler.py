@@ -331,7 +331,8 @@ class Engine:
             radix_cache=False, mamba_scheduler_strategy=None, mamba_full_memory_ratio=None,
             attention_backend=f"transformers-{clf.model.config._attn_implementation}" if clf else None,
             batching=self.batching if clf else None,
-            scheduler={"kind": "token-budget fair share (fewest tokens served first), rows grouped by length inside a step",
+            scheduler={"kind": "token-budget fair share (fewest tokens served first), rows grouped by length "
+                               "inside a step",
                        "step_token_budget": self.args.step_token_budget,
                        "rows_per_forward": self.args.max_running_requests,
                        "watchdog_seconds": self.args.watchdog_seconds},
