@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import re
@@ -10,7 +9,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
-from openjev.common import UserError, atomic_write_bytes
+from openjev.common import UserError, atomic_write_bytes, sha256_file
 from openjev.tune.summary import headline, measurement_failures
 
 PROFILE_NAME = "scheduled"
@@ -88,7 +87,7 @@ def output_problems(receipt: dict, folder: Path) -> list[str]:
             continue
         path = folder / Path(entry["file"]).name
         try:
-            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            digest = sha256_file(path)
         except OSError:
             bad.append(f"{path.name} missing (the receipt names it)")
             continue
