@@ -32,7 +32,10 @@ Group audit (every pass, the initial one included):
   * the candidate's choice set C = the rows whose candidate p_e equals the candidate's group
     maximum exactly (several when the candidate itself ties: "candidate-tied");
   * FAILURE: C contains a row outside W (so a candidate tie between a winner and a non-winner
-    fails too: a consumer that breaks ties by position could pick the non-winner);
+    fails too: a consumer that breaks ties by position could pick the non-winner); each failure
+    records reference_margin (the reference's p_e lead of its winner over the row chosen) and
+    candidate_margin (the candidate's lead of that row over the winner): a near tie shows as a
+    margin below the run's max |dp_e|;
   * TIE (not a failure): W has several rows, C is inside W, and the candidate's first choice in
     input order differs from the reference's first winner in input order.
 
@@ -383,7 +386,8 @@ def main() -> int:
         fl = au["failures"][0]
         reasons.insert(0, f"group audit failed: {au['failures_total']} choice(s) outside the reference winners; first: "
                           f"{pass_name(fl['pass'], 1 + args.repetitions)} group [{' '.join(fl['rows'])}] chose {' '.join(fl['candidate_choice'])}, "
-                          f"outside winners [{' '.join(fl['reference_winners'])}]")
+                          f"outside winners [{' '.join(fl['reference_winners'])}] (reference margin "
+                          f"{fl['reference_margin']:.5f}, candidate's {fl['candidate_margin']:.5f} in p_e)")
     code = decide_exit(au["failed"], server_failure, receipt["exclusive"]["valid"] if receipt["exclusive"] else None)
     code = finish(code, reasons[0] if code else None, pass_arrays)
     if server_failure:

@@ -30,6 +30,9 @@
 #                    every mixer, GDN core, gated norm and MLP output of the rows DIVERGENCE_ROWS of s128
 #                    (default the group the audit failed on), each sent alone; then
 #                    benchmarks/sglang_gpu_divergence.py against the Transformers reference's modules
+#   tune             app/tune_sglang_v100.py against SGLang's engine: profiles TUNE_PROFILES (default
+#                    fcfs:8,fcfs:16,lpm:16) on the sets TUNE_SETS (default g303), cold and warm, idle wait
+#                    5 s; the server command is serve_sglang_v100.sh with this session's flags
 # Benches: app/bench_classify_v100.py, batches of 32 from 4 workers, 3 measured passes, the GPU-exclusivity
 # monitor on GPU 0; then benchmarks/compute_bound.py.
 # Environment: PYTHON (python3), WORK (/tmp/openjev-sglang-gpu), SITE (/tmp/site), SETS ("s128 t564"),
@@ -183,6 +186,30 @@ stage_variant() {  # shellcheck disable=SC2086
   env ${VARIANT_ENV:-} bash -c 'run_sglang "$@"' _ "${VARIANT_TAG:-variant}" "${VARIANT_MODES:-flushed}" ${VARIANT_ARGS:-}
 }
 
+stage_tune() {
+  local s set args=() serve="$W/serve_sglang_session.sh"
+  for s in ${TUNE_SETS:-g303}; do
+    set=$(set_path "$s") || return 1
+    args+=(--set "$s=$set.jsonl,$set.tokens.jsonl,$W/ref-$s")
+  done
+  # the tuner runs CMD CHECKPOINT PORT [profile flags]; this session's flags go after the profile's
+  cat >"$serve" <<EOS
+#!/usr/bin/env bash
+exec bash "$REPO/app/serve_sglang_v100.sh" "\$@" --attention-backend triton --sampling-backend pytorch \\
+  --linear-attn-prefill-backend triton --grammar-backend none --skip-server-warmup ${SGLANG_ARGS:-}
+EOS
+  rm -rf "$W/tune" "$W/tune.pid"
+  OPENJEV_TUNE_SERVER_CMD="bash $serve" OPENJEV_PYTHON=$PY OPENJEV_V100_ROOT="$W/root" "$PY" app/tune_sglang_v100.py \
+    --gpu 0 --port "$(free_port)" --out "$W/tune" --model "$MODEL" --profiles "${TUNE_PROFILES:-fcfs:8,fcfs:16,lpm:16}" \
+    "${args[@]}" --repetitions "$REPS" --idle-seconds 5 --max-wait 120 --start-timeout 300 \
+    >"$R/tune.stdout.txt" 2>"$R/tune.stderr.txt"
+  local rc=$?
+  mkdir -p "$R/tune"
+  ( cd "$W/tune" && find . -name '*.json' -o -name '*.npy' -o -name '*.png' -o -name '*.log' | tar -czf "$R/tune/tune_run.tgz" -T - )
+  cp "$W/tune/summary.json" "$W/tune/run.json" "$W/tune/comparison.png" "$R/tune/" 2>/dev/null
+  return "$rc"
+}
+
 stage_embedded() {
   local port pid s
   port=$(free_port)
@@ -196,8 +223,9 @@ stage_embedded() {
 }
 
 export REPO PY W R SITE SETS REPS SHAPE MODEL LABEL SGLANG_ARGS VARIANT_ARGS VARIANT_ENV VARIANT_TAG VARIANT_MODES
+export TUNE_SETS TUNE_PROFILES
 export -f free_port set_path wait_healthy bench run_sglang stage_setup stage_prep stage_sglang_cache \
-  stage_sglang_uncached stage_ssm_fp16 stage_embedded stage_variant stage_native_ops stage_divergence
+  stage_sglang_uncached stage_ssm_fp16 stage_embedded stage_variant stage_native_ops stage_divergence stage_tune
 for s in ${STAGES:-setup prep sglang_cache sglang_uncached embedded}; do
   log "stage $s"
   timeout -k 10 "$TO" bash -c "stage_$s" 2>&1 | tee "$R/stage_$s.log"

@@ -188,6 +188,7 @@ def test_injected_disagreement_fails_the_audit(server, mini, tmp_path):
     assert proc.returncode == 2, proc.stderr
     lines = error_lines(proc.stderr)
     assert len(lines) == 1 and "group audit failed" in lines[0] and ids[winner] in lines[0] and ids[loser] in lines[0]
+    assert "reference margin" in lines[0]
     r = receipt_of(out)
     assert r["valid"] is False and r["complete"] is True and r["exit_code"] == 2
     au = r["warm"]["audit"]
@@ -195,6 +196,7 @@ def test_injected_disagreement_fails_the_audit(server, mini, tmp_path):
     f = au["failures"][0]
     assert f["outside_winners"] == [ids[winner]] and f["reference_winners"] == [ids[loser]]
     assert f["rows"] == [ids[i] for i in g]
+    assert f["reference_margin"] > 0 and f["candidate_margin"] >= 0
     assert out.with_name("disagree.passes.npy").exists()
     assert validate(out).returncode == 0  # a failed run still has a well-formed receipt
 
@@ -563,6 +565,10 @@ def test_audit_rules():
     assert ok["passed"] and ok["failures_count"] == ok["ties_count"] == 0
     bad = bench_agreement.audit_pass(g, pe(0.1, 0.5, 0.2), pe(0.1, 0.2, 0.3), ids)
     assert not bad["passed"] and bad["failures"][0]["outside_winners"] == ["c"]
+    # how near a tie the failure was: the reference's lead of its winner over the row chosen, and the
+    # candidate's lead of that row over the reference's winner (p_e)
+    assert bad["failures"][0]["reference_margin"] == pytest.approx(0.3)
+    assert bad["failures"][0]["candidate_margin"] == pytest.approx(0.1)
     # a candidate tie between the winner and a non-winner fails (position could pick the non-winner)
     ctie = bench_agreement.audit_pass(g, pe(0.1, 0.5, 0.2), pe(0.1, 0.5, 0.5), ids)
     assert not ctie["passed"] and ctie["failures"][0]["candidate_choice"] == ["b", "c"]

@@ -92,6 +92,8 @@ def audit_pass(groups: Sequence[Sequence[int]], ref_pe: np.ndarray, cand_pe: np.
                 "reference_winners": [row_ids[i] for i in winners],
                 "candidate_choice": [row_ids[i] for i in chosen],
                 "outside_winners": [row_ids[i] for i in outside],
+                "reference_margin": float(ref_pe[winners[0]] - max(ref_pe[i] for i in outside)),
+                "candidate_margin": float(max(cand_pe[i] for i in outside) - max(cand_pe[i] for i in winners)),
                 "p_e_reference": {row_ids[i]: float(ref_pe[i]) for i in idx},
                 "p_e_candidate": {row_ids[i]: float(cand_pe[i]) for i in idx},
             })
