@@ -24,7 +24,9 @@ W=${WORK:-/tmp/openjev-h200}
 R="$W/results"   # packed into OUTDIR/results_h200.tgz
 SHAPE=${SHAPE:-qwen3.5-4b}
 DEVICE=${DEVICE:-cuda}
-LABEL=${MACHINE_LABEL:-"NVIDIA H200 (development machine, SM90; not a V100)"}
+# the machine as the driver names it (the lent GPU may be an H100 or an H200: never a V100)
+GPU_NAME=$(nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader -i 0 2>/dev/null | head -n 1 | sed 's/, */ SM/; s/\.//')
+LABEL=${MACHINE_LABEL:-"${GPU_NAME:-unknown GPU} (development machine; not a V100)"}
 mkdir -p "$R" "$W" "$OUT"
 pack() { tar -czf "$OUT/results_h200.tgz" -C "$R" . ; }
 log() { echo "== $(date -u +%H:%M:%S) $*"; }

@@ -51,7 +51,9 @@ TO=${STAGE_TIMEOUT:-560}
 REPS=${REPETITIONS:-3}
 SHAPE=qwen3.5-4b
 MODEL="$W/model-$SHAPE"
-LABEL="NVIDIA H200 (development machine, SM90; not a V100)"
+# the machine as the driver names it (the lent GPU may be an H100 or an H200: never a V100)
+GPU_NAME=$(nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader -i 0 2>/dev/null | head -n 1 | sed 's/, */ SM/; s/\.//')
+LABEL=${MACHINE_LABEL:-"${GPU_NAME:-unknown GPU} (development machine; not a V100)"}
 REPO=$(pwd -P)
 SHIM="$REPO/openjev_testsupport/sgl_kernel_cuda_standin/shim"
 mkdir -p "$R" "$OUTDIR"

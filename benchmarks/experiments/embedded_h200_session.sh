@@ -53,7 +53,9 @@ SHAPE=${SHAPE:-qwen3.5-4b}
 DEVICE=${DEVICE:-cuda}
 ROWS=${ROWS:-128}
 TO=${STAGE_TIMEOUT:-400}
-LABEL=${MACHINE_LABEL:-"NVIDIA H200 (development machine, SM90; not a V100)"}
+# the machine as the driver names it (the lent GPU may be an H100 or an H200: never a V100)
+GPU_NAME=$(nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader -i 0 2>/dev/null | head -n 1 | sed 's/, */ SM/; s/\.//')
+LABEL=${MACHINE_LABEL:-"${GPU_NAME:-unknown GPU} (development machine; not a V100)"}
 DTYPE=$([ "$DEVICE" = cpu ] && echo float32 || echo float16)
 SET="$W/set-$ROWS-200-1500"
 MODEL="$W/model-$SHAPE"
