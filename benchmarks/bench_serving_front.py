@@ -46,7 +46,7 @@ APP = REPO / "app"
 SAMPLE = REPO / "data" / "nli_sample.jsonl"
 from bench_gateway import machine as machine_facts
 
-from openjev_testsupport.ports import free_port
+from openjev_testsupport.servers import Server, ServerStartError, start_server
 from openjev.common import UserError, run_main, utc_now
 
 
@@ -96,36 +96,11 @@ def prepare(tmp: Path, model: Path | None) -> tuple[Path, list[list[int]], np.nd
     return model, rows, np.load(tmp / "ref" / "reference.npy")
 
 
-class Server:
-    def __init__(self, model: Path, log: Path, env: dict | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log, "wb")
-        self.proc = subprocess.Popen([sys.executable, str(APP / "serve_transformers.py"), str(model), str(self.port)],
-                                     stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO,
-                                     env={**os.environ, **(env or {})})
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise UserError(f"server exited with {self.proc.returncode} (log: {log})")
-            try:
-                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise UserError("server not healthy within 300 s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
+def serve(model: Path, log: Path, env: dict | None = None) -> Server:
+    try:
+        return start_server(model, log, timeout=300, env=env)
+    except ServerStartError as e:
+        raise UserError(f"{str(e).splitlines()[0]} (log: {log})") from None
 
 
 def pct(values, q) -> float:
@@ -268,7 +243,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="openjev-front-") as tmp:
         tmp = Path(tmp)
         model, rows, ref = prepare(tmp, args.model)
-        srv = Server(model, tmp / "server.log")
+        srv = serve(model, tmp / "server.log")
         try:
             if "load" in phases:
                 print(f"load: {args.clients} clients x {args.requests} requests ...", file=sys.stderr)
@@ -283,7 +258,7 @@ def main() -> int:
         finally:
             srv.stop()
         if args.also_threads and "load" in phases:
-            srv = Server(model, tmp / "server2.log", env={"OPENJEV_TORCH_THREADS": str(args.also_threads)})
+            srv = serve(model, tmp / "server2.log", env={"OPENJEV_TORCH_THREADS": str(args.also_threads)})
             try:
                 print(f"load with OPENJEV_TORCH_THREADS={args.also_threads} ...", file=sys.stderr)
                 receipt["load_torch_threads"] = {"OPENJEV_TORCH_THREADS": args.also_threads,

@@ -32,7 +32,9 @@
 #                    benchmarks/sglang_gpu_divergence.py against the Transformers reference's modules
 #   tune             app/tune_sglang_v100.py against SGLang's engine: profiles TUNE_PROFILES (default
 #                    fcfs:8,fcfs:16,lpm:16) on the sets TUNE_SETS (default g303), cold and warm, idle wait
-#                    5 s; the server command is serve_sglang_v100.sh with this session's flags
+#                    5 s; the server command is serve_sglang_v100.sh with this session's flags; with
+#                    TUNE_DEADLINE (epoch seconds) the tuner gets SIGTERM 20 s before it, so it stops the
+#                    server, marks run.json interrupted and the profiles done so far are kept
 # Benches: app/bench_classify_v100.py, batches of 32 from 4 workers, 3 measured passes, the GPU-exclusivity
 # monitor on GPU 0; then benchmarks/compute_bound.py.
 # Environment: PYTHON (python3), WORK (/tmp/openjev-sglang-gpu), SITE (/tmp/site), SETS ("s128 t564"),
@@ -201,8 +203,11 @@ exec bash "$REPO/app/serve_sglang_v100.sh" "\$@" --attention-backend triton --sa
   --linear-attn-prefill-backend triton --grammar-backend none --skip-server-warmup ${SGLANG_ARGS:-}
 EOS
   rm -rf "$W/tune" "$W/tune.pid"
-  OPENJEV_TUNE_SERVER_CMD="bash $serve" OPENJEV_PYTHON=$PY OPENJEV_V100_ROOT="$W/root" "$PY" app/tune_sglang_v100.py \
-    --gpu 0 --port "$(free_port)" --out "$W/tune" --model "$MODEL" --profiles "${TUNE_PROFILES:-fcfs:8,fcfs:16,lpm:16}" \
+  local limit=$((TO - 20))
+  [ -n "${TUNE_DEADLINE:-}" ] && limit=$((TUNE_DEADLINE - $(date +%s) - 20))
+  [ "$limit" -gt 60 ] || { echo "tune: no time left before TUNE_DEADLINE"; return 1; }
+  OPENJEV_TUNE_SERVER_CMD="bash $serve" OPENJEV_PYTHON=$PY OPENJEV_V100_ROOT="$W/root" timeout -s TERM "$limit" \
+    "$PY" app/tune_sglang_v100.py --gpu 0 --port "$(free_port)" --out "$W/tune" --model "$MODEL" --profiles "${TUNE_PROFILES:-fcfs:8,fcfs:16,lpm:16}" \
     "${args[@]}" --repetitions "$REPS" --idle-seconds 5 --max-wait 120 --start-timeout 300 \
     >"$R/tune.stdout.txt" 2>"$R/tune.stderr.txt"
   local rc=$?
@@ -225,7 +230,7 @@ stage_embedded() {
 }
 
 export REPO PY W R SITE SETS REPS SHAPE MODEL LABEL SGLANG_ARGS VARIANT_ARGS VARIANT_ENV VARIANT_TAG VARIANT_MODES
-export TUNE_SETS TUNE_PROFILES
+export TUNE_SETS TUNE_PROFILES TUNE_DEADLINE TO
 export -f free_port set_path wait_healthy bench run_sglang stage_setup stage_prep stage_sglang_cache \
   stage_sglang_uncached stage_ssm_fp16 stage_embedded stage_variant stage_native_ops stage_divergence stage_tune
 for s in ${STAGES:-setup prep sglang_cache sglang_uncached embedded}; do

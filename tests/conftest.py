@@ -10,17 +10,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import requests
 
 from openjev_testsupport.ports import free_port, free_ports_on  # noqa: F401 - the tests import them from here
+from openjev_testsupport.servers import Server, start_server, wait_healthy  # noqa: F401 - likewise
 
 REPO = Path(__file__).resolve().parents[1]
 APP = REPO / "app"
@@ -177,53 +174,6 @@ def token_rows(path: Path) -> tuple[list[str], list[list[int]]]:
 
 
 # ---------------------------------------------------------------- a real embedded server
-@dataclass
-class Server:
-    proc: subprocess.Popen
-    port: int
-    log: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
-
-
-def start_server(model: Path, log: Path, *extra, port: int | None = None, wait: bool = True,
-                 timeout: float = 180, env: dict | None = None) -> Server:
-    port = port or free_port()
-    cmd = [PY, str(APP / "serve_transformers.py"), str(model), str(port), *map(str, extra)]
-    fh = open(log, "wb")
-    proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-    srv = Server(proc, port, log)
-    if wait:
-        wait_healthy(srv, timeout)
-    return srv
-
-
-def wait_healthy(srv: Server, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if srv.proc.poll() is not None:
-            raise AssertionError(f"server exited with {srv.proc.returncode}:\n{srv.log.read_text()[-2000:]}")
-        try:
-            if requests.get(f"{srv.url}/health", timeout=2).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.2)
-    srv.stop()
-    raise AssertionError(f"server not healthy after {timeout} s:\n{srv.log.read_text()[-2000:]}")
 
 
 @pytest.fixture(scope="module")
