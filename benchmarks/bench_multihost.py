@@ -275,12 +275,7 @@ def group_keys(inputs: Path, ids: list[str]) -> list[str]:
 
 
 def lcp(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return len(os.path.commonprefix([a, b]))
 
 
 # ---------------------------------------------------------------- main

@@ -463,12 +463,7 @@ def test_ten_thousand_idle_connections_lock_out_neither_the_peer_nor_the_gateway
 
 
 def lcp(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return len(os.path.commonprefix([a, b]))
 
 
 def test_prefix_affinity_sends_an_option_group_to_one_replica(cluster, data, sample_tokens):
