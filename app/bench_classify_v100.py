@@ -89,7 +89,7 @@ import numpy as np
 
 from openjev.bench.agreement import (EXIT_EXCLUSIVE, EXIT_INCOMPLETE, EXIT_OK, agreement, decide_exit,
                                      option_groups, timing_summary)
-from openjev.bench.client import Client, ServerFailure, pass_entry, run_pass
+from openjev.bench.client import Client, ServerFailure, add_pass_args, pass_entry, run_pass
 from openjev.bench.inputs import load_run_data
 from openjev.bench.receipt import (KIND, SCHEMA_VERSION, cpu_model_name, derive_machine_label, out_paths,
                                    pass_name, passes_done_text, print_summary, write_outputs)
@@ -106,12 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reference directory from score_reference.py (reference.npy + reference.json)")
     p.add_argument("--out", type=Path, required=True,
                    help="receipt path OUT.json; also writes OUT.candidate.npy and OUT.passes.npy")
-    p.add_argument("--batch-size", type=int, default=32, help="rows per /classify request (default: 32)")
-    p.add_argument("--workers", type=int, default=4, help="concurrent client threads (default: 4)")
-    p.add_argument("--repetitions", type=int, default=3,
-                   help="measured passes after the initial (warmup) pass; the median is reported (default: 3)")
-    p.add_argument("--truncate", type=int, default=4096,
-                   help="keep the first N ids of each row; must equal the reference's (default: 4096)")
+    add_pass_args(p)
     p.add_argument("--cold-cache", action="store_true",
                    help="POST /flush_cache before every pass, the initial one included; figures go under 'cold' "
                         "(default: off, figures under 'warm')")

@@ -95,6 +95,7 @@ import argparse
 import signal
 from pathlib import Path
 
+from openjev.bench.client import add_pass_args
 from openjev.common import PRODUCTION_PORT, UserError, openjev_root, port_is_free, run_main
 from openjev.gpu import Gpu
 from openjev.tune.processes import (claim_pidfile, daemonize, describe_port_holder, inspect_run, pid_paths,
@@ -119,10 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"profiles to compare: [NAME=]POLICY:N[+MOD...] list or a JSON file (default: {DEFAULT_PROFILES})")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=INPUTS,TOKENS,REFDIR",
                    help="input set with its token file and reference directory (repeatable; at least one)")
-    p.add_argument("--batch-size", type=int, default=32, help="bench: inputs per request (default: 32)")
-    p.add_argument("--workers", type=int, default=4, help="bench: client workers (default: 4)")
-    p.add_argument("--repetitions", type=int, default=3, help="bench: measured passes after the initial one (default: 3)")
-    p.add_argument("--truncate", type=int, default=4096, help="bench: tokens kept per row (default: 4096)")
+    add_pass_args(p, "bench: ")
     p.add_argument("--idle-seconds", type=float, default=60.0,
                    help="GPU must have had no compute process this long before each launch (default: 60)")
     p.add_argument("--max-wait", type=float, default=3600.0,

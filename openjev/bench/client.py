@@ -16,6 +16,16 @@ from openjev.bench.inputs import RunData
 from openjev.common import LABELS, entailment_prob, utc_now
 
 
+def add_pass_args(p, help_prefix: str = "") -> None:
+    """The flags that shape a bench's passes (the bench's own; the tuner passes them through)."""
+    p.add_argument("--batch-size", type=int, default=32, help=f"{help_prefix}rows per /classify request (default: 32)")
+    p.add_argument("--workers", type=int, default=4, help=f"{help_prefix}concurrent client threads (default: 4)")
+    p.add_argument("--repetitions", type=int, default=3,
+                   help=f"{help_prefix}measured passes after the initial (warmup) pass; the median is reported (default: 3)")
+    p.add_argument("--truncate", type=int, default=4096,
+                   help=f"{help_prefix}keep the first N ids of each row; must equal the reference's (default: 4096)")
+
+
 def backoff_s(attempt: int) -> float:
     """Sleep before retry number `attempt` (0-based): 0.25, 0.5, 1, 2, 2, ... seconds."""
     return min(0.25 * (2 ** attempt), 2.0)
