@@ -28,12 +28,9 @@ Example (this is how benchmarks/results_cpu/gateway_cpu.json was made):
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
-import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,6 +46,8 @@ APP = REPO / "app"
 
 from openjev.common import UserError, atomic_write_json, git_revision, run_main, utc_now
 from openjev_testsupport.ports import free_port
+from openjev_testsupport.loopback_bench import (Client, admin, build_tiny, free_pair, machine, run, summary_ms,
+                                                wait_status)
 from openjev_testsupport import unit_runner
 
 KIND = "openjev-gateway-bench"
@@ -72,136 +71,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clients", type=int, default=8, help="concurrent clients in the throughput runs (default: 8)")
     p.add_argument("--haproxy", default=None, help="HAProxy executable (default: haproxy on PATH)")
     return p
-
-
-# ---------------------------------------------------------------- setup
-def run(cmd: list, what: str) -> str:
-    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, cwd=REPO)
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
-        raise UserError(f"{what} failed ({proc.returncode}): {tail[0]}")
-    return proc.stdout
-
-
-def build_tiny(work: Path) -> tuple[Path, Path, Path]:
-    model, tokens, ref = work / "model", work / "tokens.jsonl", work / "reference"
-    if not (ref / "reference.npy").exists():
-        print("building the tiny model, its tokens and reference logits ...", flush=True)
-        run([PY, APP / "make_tiny_model.py", work / "checkpoint", "--processor-out", work / "processor"], "make_tiny_model")
-        run([PY, APP / "prepare_v100_model.py", work / "checkpoint", model, "--processor-dir", work / "processor",
-             "--allow-unpinned"], "prepare_v100_model")
-        run([PY, APP / "tokenize_nli.py", "--model", model, "--inputs", REPO / "data" / "nli_sample.jsonl",
-             "--out", tokens], "tokenize_nli")
-        run([PY, APP / "score_reference.py", "--model", model, "--tokens", tokens, "--inputs",
-             REPO / "data" / "nli_sample.jsonl", "--out", ref], "score_reference")
-    return model, tokens, ref
-
-
-
-
-def free_pair() -> int:
-    for _ in range(200):
-        base = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", base + 1))
-                return base
-            except OSError:
-                continue
-    raise UserError("no two consecutive free ports on 127.0.0.1")
-
-
-def admin(path: Path, command: str) -> str:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(10)
-        s.connect(str(path))
-        s.sendall(command.encode() + b"\n")
-        out = b""
-        while chunk := s.recv(65536):
-            out += chunk
-    return out.decode()
-
-
-def server_status(path: Path) -> dict[str, str]:
-    lines = admin(path, "show stat").lstrip("# ").splitlines()
-    head = lines[0].split(",")
-    rows = [dict(zip(head, line.split(","))) for line in lines[1:] if line]
-    return {r["svname"]: r["status"] for r in rows if r.get("pxname") == "openjev" and r["svname"].startswith("replica")}
-
-
-def wait_status(path: Path, want: dict[str, str], timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            st = server_status(path)
-            if all(st.get(k) == v for k, v in want.items()):
-                return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise UserError(f"replicas did not reach {want} within {timeout:.0f} s")
-
-
-def machine() -> dict:
-    cpu = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"label": f"CPU machine: {cpu or platform.processor() or 'unknown CPU'}, {os.cpu_count()} logical CPUs "
-                     "(no GPU; not eva01)",
-            "platform": platform.platform(), "cpu_model": cpu, "cpu_count": os.cpu_count(),
-            "cpus_usable": len(os.sched_getaffinity(0)), "host": socket.gethostname(),
-            "python": platform.python_version()}
-
-
-# ---------------------------------------------------------------- measurements
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values), q))
-
-
-def summary_ms(values: list[float]) -> dict:
-    ms = [v * 1e3 for v in values]
-    return {"n": len(ms), "p50_ms": round(pct(ms, 50), 3), "p90_ms": round(pct(ms, 90), 3),
-            "p99_ms": round(pct(ms, 99), 3), "mean_ms": round(statistics.fmean(ms), 3), "max_ms": round(max(ms), 3)}
-
-
-class Client:
-    """HTTP/1.1 over http.client (the least client overhead in Python): one keep-alive connection,
-    or with fresh=True a new connection per request (Connection: close)."""
-
-    def __init__(self, port: int, fresh: bool = False):
-        self.port = port
-        self.fresh = fresh
-        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-
-    def call(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes, dict]:
-        headers = {"Content-Type": "application/json"} if body is not None else {}
-        if self.fresh:
-            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
-            try:
-                conn.request(method, path, body=body, headers={**headers, "Connection": "close"})
-                r = conn.getresponse()
-                return r.status, r.read(), dict(r.getheaders())
-            except (http.client.HTTPException, ConnectionError) as exc:
-                raise UserError(f"request to port {self.port} failed: {exc!r}") from None
-            finally:
-                conn.close()
-        for attempt in (0, 1):
-            try:
-                self.conn.request(method, path, body=body, headers=headers)
-                r = self.conn.getresponse()
-                return r.status, r.read(), dict(r.getheaders())
-            except (http.client.HTTPException, ConnectionError) as exc:
-                # A keep-alive connection closed by the peer between requests: reconnect once.
-                self.conn.close()
-                self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
-                if attempt:
-                    raise UserError(f"request to port {self.port} failed: {exc!r}") from None
-        raise AssertionError("unreachable")
 
 
 def latency_phase(direct_port: int, gateway_port: int, pairs: int, row: list[int]) -> dict:

@@ -61,10 +61,10 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 APP = REPO / "app"
 
-from bench_gateway import admin, build_tiny, machine, run, summary_ms
 
 from openjev.common import UserError, atomic_write_json, git_revision, run_main, utc_now
 from openjev_testsupport import unit_runner
+from openjev_testsupport.loopback_bench import admin, build_tiny, machine, run, summary_ms
 from openjev_testsupport.pki import CERTS, make_host_tls
 from openjev_testsupport.ports import free_ports_on
 

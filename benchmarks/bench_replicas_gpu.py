@@ -52,10 +52,11 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 
-from bench_gateway import Client, admin, free_pair, free_port, machine, run, summary_ms
 
 from openjev.common import UserError, atomic_write_json, git_revision, run_main, softmax, utc_now
 from openjev_testsupport import unit_runner
+from openjev_testsupport.loopback_bench import Client, admin, free_pair, machine, run, summary_ms
+from openjev_testsupport.ports import free_port
 
 KIND = "openjev-replicas-gpu-bench"
 PY = sys.executable

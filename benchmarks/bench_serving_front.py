@@ -44,8 +44,8 @@ import requests
 REPO = Path(__file__).resolve().parents[1]
 APP = REPO / "app"
 SAMPLE = REPO / "data" / "nli_sample.jsonl"
-from bench_gateway import machine as machine_facts
 
+from openjev_testsupport.loopback_bench import machine as machine_facts
 from openjev_testsupport.servers import Server, ServerStartError, start_server
 from openjev.common import UserError, run_main, utc_now
 
