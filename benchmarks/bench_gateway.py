@@ -144,7 +144,7 @@ def throughput_run(port: int, rows: list[list[int]], ref: np.ndarray, n: int, cl
                 got = np.asarray(json.loads(data)["logits"], dtype=np.float32)
                 if not np.array_equal(got, ref[idx]):
                     state["mismatches"] += 1
-                name = headers.get("X-OpenJEV-Replica") or headers.get("x-openjev-replica") or "?"
+                name = headers.get("x-openjev-replica") or "?"
                 by_replica[name] = by_replica.get(name, 0) + 1
 
     threads = [threading.Thread(target=worker) for _ in range(clients)]

@@ -41,7 +41,6 @@ Example (how benchmarks/results_cpu/multihost_cpu.json was made):
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import random
@@ -64,7 +63,7 @@ APP = REPO / "app"
 
 from openjev.common import UserError, atomic_write_json, git_revision, run_main, utc_now
 from openjev_testsupport import unit_runner
-from openjev_testsupport.loopback_bench import admin, build_tiny, machine, run, summary_ms
+from openjev_testsupport.loopback_bench import Client, admin, build_tiny, machine, run, summary_ms
 from openjev_testsupport.pki import CERTS, make_host_tls
 from openjev_testsupport.ports import free_ports_on
 
@@ -139,37 +138,6 @@ def set_state(adm: Path, states: dict[str, str]) -> None:
             raise UserError(f"runtime API: set server openjev/{server} state {state}: {out}")
 
 
-# ---------------------------------------------------------------- clients
-class Client:
-    """HTTP/1.1 over http.client: one keep-alive connection, or a fresh one per request."""
-
-    def __init__(self, addr: str, port: int, fresh: bool = False):
-        self.addr, self.port, self.fresh = addr, port, fresh
-        self.conn = http.client.HTTPConnection(addr, port, timeout=120)
-
-    def call(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes, dict]:
-        headers = {"Content-Type": "application/json"} if body is not None else {}
-        if self.fresh:
-            conn = http.client.HTTPConnection(self.addr, self.port, timeout=120)
-            try:
-                conn.request(method, path, body=body, headers={**headers, "Connection": "close"})
-                r = conn.getresponse()
-                return r.status, r.read(), {k.lower(): v for k, v in r.getheaders()}
-            finally:
-                conn.close()
-        for attempt in (0, 1):
-            try:
-                self.conn.request(method, path, body=body, headers=headers)
-                r = self.conn.getresponse()
-                return r.status, r.read(), {k.lower(): v for k, v in r.getheaders()}
-            except (http.client.HTTPException, ConnectionError) as exc:
-                self.conn.close()  # a keep-alive connection closed between requests: reconnect once
-                self.conn = http.client.HTTPConnection(self.addr, self.port, timeout=120)
-                if attempt:
-                    raise UserError(f"request to {self.addr}:{self.port} failed: {exc!r}") from None
-        raise AssertionError("unreachable")
-
-
 def latency_phase(paths: dict[str, tuple[str, int]], rounds: int, row: list[int]) -> dict:
     kinds = {"health": ("GET", "/health", None),
              "classify_1_row": ("POST", "/classify", json.dumps({"input_ids": [row]}).encode())}
@@ -178,7 +146,7 @@ def latency_phase(paths: dict[str, tuple[str, int]], rounds: int, row: list[int]
     for mode in ("keepalive", "fresh"):
         out[mode] = {}
         for kind, (method, path, body) in kinds.items():
-            clients = {n: Client(*paths[n], fresh=mode == "fresh") for n in names}
+            clients = {n: Client(paths[n][1], fresh=mode == "fresh", addr=paths[n][0]) for n in names}
             for c in clients.values():  # warm up connections, TLS session caches, the replica
                 for _ in range(20):
                     c.call(method, path, body)
@@ -216,7 +184,7 @@ def affinity_run(url: tuple[str, int], rows: list[list[int]], ref: np.ndarray, g
     lat: list[float] = []
 
     def worker():
-        c = Client(*url)
+        c = Client(url[1], addr=url[0])
         while True:
             with lock:
                 k = state["next"]

@@ -116,35 +116,33 @@ def summary_ms(values: list[float]) -> dict:
 
 
 class Client:
-    """HTTP/1.1 over http.client (the least client overhead in Python): one keep-alive connection,
-    or with fresh=True a new connection per request (Connection: close)."""
+    """HTTP/1.1 over http.client (the least client overhead in Python): one keep-alive connection, or with
+    fresh=True a new connection per request (Connection: close). Answers (status, body, lower-cased headers)."""
 
-    def __init__(self, port: int, fresh: bool = False):
-        self.port = port
-        self.fresh = fresh
-        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    def __init__(self, port: int, fresh: bool = False, addr: str = "127.0.0.1"):
+        self.addr, self.port, self.fresh = addr, port, fresh
+        self.conn = http.client.HTTPConnection(addr, port, timeout=120)
 
     def call(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes, dict]:
         headers = {"Content-Type": "application/json"} if body is not None else {}
         if self.fresh:
-            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+            conn = http.client.HTTPConnection(self.addr, self.port, timeout=120)
             try:
                 conn.request(method, path, body=body, headers={**headers, "Connection": "close"})
                 r = conn.getresponse()
-                return r.status, r.read(), dict(r.getheaders())
+                return r.status, r.read(), {k.lower(): v for k, v in r.getheaders()}
             except (http.client.HTTPException, ConnectionError) as exc:
-                raise UserError(f"request to port {self.port} failed: {exc!r}") from None
+                raise UserError(f"request to {self.addr}:{self.port} failed: {exc!r}") from None
             finally:
                 conn.close()
         for attempt in (0, 1):
             try:
                 self.conn.request(method, path, body=body, headers=headers)
                 r = self.conn.getresponse()
-                return r.status, r.read(), dict(r.getheaders())
+                return r.status, r.read(), {k.lower(): v for k, v in r.getheaders()}
             except (http.client.HTTPException, ConnectionError) as exc:
-                # A keep-alive connection closed by the peer between requests: reconnect once.
-                self.conn.close()
-                self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+                self.conn.close()  # a keep-alive connection closed by the peer between requests: reconnect once
+                self.conn = http.client.HTTPConnection(self.addr, self.port, timeout=120)
                 if attempt:
-                    raise UserError(f"request to port {self.port} failed: {exc!r}") from None
+                    raise UserError(f"request to {self.addr}:{self.port} failed: {exc!r}") from None
         raise AssertionError("unreachable")
