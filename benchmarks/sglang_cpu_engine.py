@@ -164,7 +164,6 @@ def prepare_inputs(work: Path, ref_py: Path, model: Path) -> dict:
              "--vocab", "512", "--seed", "17"])
     sets["synthetic"] = (Path(f"{synth}.jsonl"), Path(f"{synth}.tokens.jsonl"))
     sets["prefix"] = make_prefix_set(work, *sets["synthetic"])
-    refs = {}
     for name, (inp, tok) in sets.items():
         for dtype, suffix in (("float32", ""), ("bfloat16", "_bf16")):
             ref = work / f"ref_{name}{suffix}"
