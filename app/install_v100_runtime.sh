@@ -71,6 +71,8 @@ Steps (each detects that it is already done, so re-running is safe)
    runtime-install  editable install of the patched runtime (builds its Rust gRPC extension)
    nccl         the CUDA 12 NCCL that torch 2.9.1 needs
    verify       import torch, sglang, sgl_kernel, flashinfer, tilelang; sgl_kernel is the sm70 build
+   kernel-arch  cuobjdump --list-elf of the built sgl-kernel library lists sm_70 cubins (else one line,
+                exit 1); the list goes into the receipt
    receipt      $ROOT/results/runtime_receipt.json, written atomically
 
 Environment
@@ -145,6 +147,8 @@ resolve_paths() {
     DOWNLOADS=$ROOT/downloads
     CUDA_DIR=$ROOT/cuda126
     NVCC=$CUDA_DIR/bin/nvcc
+    CUOBJDUMP=$CUDA_DIR/bin/cuobjdump
+    ELF_LIST=$BUILD/sgl-kernel-elf.txt
     PREFLIGHT=$SCRIPT_DIR/v100_preflight.py
     RECEIPT=$ROOT/results/runtime_receipt.json
     STEP_LOG=$BUILD/install-steps.tsv
@@ -332,11 +336,14 @@ build_plan() {
         "$pip install --no-deps --no-build-isolation -e $(q "$RT/python") && $fp > $(q "$STAMPS/runtime")"
     step nccl "" "$pip uninstall -y nvidia-nccl-cu13 >/dev/null 2>&1; $pip install --no-deps $(q "$NCCL_PIN")"
     step verify "" "$(q "$PY") -B -c 'import torch, sglang, sgl_kernel, flashinfer, tilelang; print(\"torch\", torch.__version__, \"sglang\", sglang.__version__, \"sgl_kernel\", sgl_kernel.common_ops.__file__); assert \"/sm70/\" in sgl_kernel.common_ops.__file__, \"sgl_kernel is not the SM70 build\"'"
+    # the built library itself must hold sm_70 code: cuobjdump lists its cubins (recorded in the receipt)
+    step kernel-arch "" "lib=\$($(q "$PY") -B -c 'import sgl_kernel; print(sgl_kernel.common_ops.__file__)') && { echo \"# \$lib\"; $(q "$CUOBJDUMP") --list-elf \"\$lib\"; } > $(q "$ELF_LIST") && { grep -q 'sm_70' $(q "$ELF_LIST") || { echo \"sgl-kernel's \$lib holds no sm_70 code (cuobjdump --list-elf lists: \$(grep -o 'sm_[0-9]*[a-z]*' $(q "$ELF_LIST") | sort -u | tr '\\n' ' ')); rebuild it with CMAKE_CUDA_ARCHITECTURES=70\" >&2; false; }; }"
 
     local receipt_args=(-B "$PREFLIGHT" receipt --out "$RECEIPT" --runtime-src "$RT" --runtime-rev "$RUNTIME_REV"
         --runtime-url "$RUNTIME_URL" --flashinfer-src "$FI" --flashinfer-rev "$FLASHINFER_REV"
         --flashinfer-url "$FLASHINFER_URL" --flashinfer-patch "$FI_PATCH" --cc "$CC_PATH" --cxx "$CXX_PATH"
-        --nvcc "$NVCC" --rust-version "$RUST_VERSION" --protoc-version "$PROTOC_VERSION" --steps "$STEP_LOG")
+        --nvcc "$NVCC" --rust-version "$RUST_VERSION" --protoc-version "$PROTOC_VERSION" --steps "$STEP_LOG"
+        --elf-list "$ELF_LIST")
     for patch in "${PATCHES[@]}"; do
         receipt_args+=(--patch "$patch")
     done
@@ -397,6 +404,7 @@ run_preflight() {
 check_before_changes() {
     [[ -z $GCC_NOTE ]] || die "$GCC_NOTE"
     [[ -x $NVCC ]] || die "$NVCC is missing; run prepare_v100_cuda.py $ROOT --version 12.6.3 first"
+    [[ -x $CUOBJDUMP ]] || die "$CUOBJDUMP is missing (the sm_70 check of sgl-kernel needs it); run prepare_v100_cuda.py $ROOT --version 12.6.3 again: its default components include cuda_cuobjdump"
     local tool
     for tool in git sha256sum cmp grep find; do
         command -v "$tool" >/dev/null 2>&1 || die "$tool is required but not on PATH"

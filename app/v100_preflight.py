@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -129,6 +130,17 @@ def _distribution_versions(names: list[str]) -> dict:
     return out
 
 
+def _elf_list(path: str | None) -> dict | None:
+    """The kernel-arch step's file: '# LIBRARY', then `cuobjdump --list-elf LIBRARY` (lines naming cubins)."""
+    if not path or not Path(path).exists():
+        return None
+    lines = Path(path).read_text().splitlines()
+    library = lines[0][2:] if lines and lines[0].startswith("# ") else None
+    cubins = [ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("ELF file") and ":" in ln]
+    return {"library": library, "cubins": cubins,
+            "sm": sorted({m for c in cubins for m in re.findall(r"sm_\d+[a-z]?", c)})}
+
+
 def write_receipt(args: argparse.Namespace) -> int:
     import openjev.common as _common
 
@@ -158,6 +170,7 @@ def write_receipt(args: argparse.Namespace) -> int:
             "protoc_version": _first_line(["protoc", "--version"]),
             "pinned": {"rust": args.rust_version, "protoc": args.protoc_version},
         },
+        "sgl_kernel_code": _elf_list(args.elf_list),
         "preflight": before,
         "preflight_after_install": preflight(),
         "steps": steps,
@@ -193,6 +206,8 @@ def main() -> int:
     rec.add_argument("--rust-version", default=None)
     rec.add_argument("--protoc-version", default=None)
     rec.add_argument("--steps", default=None, help="tab-separated step log of the install")
+    rec.add_argument("--elf-list", default=None,
+                     help="the kernel-arch step's file: '# LIBRARY' then cuobjdump --list-elf LIBRARY")
     rec.add_argument("--allow-unpinned", action="store_true")
     args = parser.parse_args()
     if args.command == "receipt":

@@ -32,7 +32,7 @@ SOURCES = json.loads((REPO / "HF_SOURCE.json").read_text())
 RUNTIME_REV = SOURCES["runtime"]["revision"]
 FLASHINFER_REV = SOURCES["flashinfer"]["revision"]
 STAGE_ORDER = ["preflight", "toolchain", "dirs", "rust", "protoc", "runtime", "patches", "flashinfer", "build-tools",
-               "sgl-kernel", "runtime-deps", "runtime-install", "nccl", "verify", "receipt"]
+               "sgl-kernel", "runtime-deps", "runtime-install", "nccl", "verify", "kernel-arch", "receipt"]
 STEP_RE = re.compile(r"^\s*(\d+)\. \[([a-z-]+)\] (.*)$")
 CONTROLLED = {"OPENJEV_V100_ROOT", "OPENJEV_PYTHON", "OPENJEV_CC", "OPENJEV_CXX", "OPENJEV_HF_SOURCE",
               "OPENJEV_PATCH_DIR", "MAX_JOBS", "NVCC_THREADS"}
@@ -346,6 +346,9 @@ def test_real_run_on_local_stand_ins_is_idempotent_and_writes_the_receipt(tmp_pa
     # here) Rust and protoc at the pinned versions, so that nothing is downloaded.
     (root / "cuda126" / "bin").mkdir(parents=True)
     _exe(root / "cuda126" / "bin" / "nvcc", "#!/bin/sh\necho 'Cuda compilation tools, release 12.6, V12.6.85'\n")
+    cuobjdump = root / "cuda126" / "bin" / "cuobjdump"  # what CUDA 12.6's cuobjdump --list-elf prints for a library
+    _exe(cuobjdump, "#!/bin/sh\n[ \"$1\" = --list-elf ] || exit 2\n"
+                    "echo 'ELF file    1: common_ops.1.sm_70.cubin'\necho 'ELF file    2: common_ops.2.sm_70.cubin'\n")
     (root / "cargo" / "bin").mkdir(parents=True)
     _exe(root / "cargo" / "bin" / "rustc", f"#!/bin/sh\necho 'rustc {SOURCES['rust']['version']} (stand-in)'\n")
     (root / "protoc" / "bin").mkdir(parents=True)
@@ -365,6 +368,7 @@ fi
 case "$*" in
   "-m pip "*) echo "$*" >> '{pip_log}'; exit 0 ;;
   *"import torch, sglang"*) echo 'verify (stand-in)'; exit 0 ;;
+  *"print(sgl_kernel.common_ops.__file__)"*) echo '{tmp_path}/site/sgl_kernel/sm70/common_ops.abi3.so'; exit 0 ;;
   *"import torch; print(torch.__version__)"*) echo '2.9.1+cu126'; exit 0 ;;
 esac
 exec '{PY}' -S "$@"
@@ -396,6 +400,9 @@ exec '{PY}' -S "$@"
     assert receipt["patches"] == [{"name": "dynamic-paged.patch", "path": str(patches / "dynamic-paged.patch"),
                                    "sha256": hashlib.sha256((patches / "dynamic-paged.patch").read_bytes()).hexdigest()}]
     assert receipt["allow_unpinned"] is False
+    assert receipt["sgl_kernel_code"] == {"library": f"{tmp_path}/site/sgl_kernel/sm70/common_ops.abi3.so",
+                                          "cubins": ["common_ops.1.sm_70.cubin", "common_ops.2.sm_70.cubin"],
+                                          "sm": ["sm_70"]}
     assert receipt["preflight"]["ok"] is True and receipt["preflight"]["arch_list"] == ["sm_70"]
     assert receipt["toolchain"]["cc_version"] == "gcc-10 (stand-in) 10.5.0"
     assert receipt["toolchain"]["nvcc_version"] == "Cuda compilation tools, release 12.6, V12.6.85"
@@ -417,3 +424,14 @@ exec '{PY}' -S "$@"
     assert done.count("patches") == 2 and "sgl-kernel" in done and "runtime-install" in done
     assert [sg for sg, st in again.values() if sg == "runtime" and st == "ran"] == ["runtime"], "only the HEAD check"
     assert pip_log.read_text().count("--no-build-isolation -e") == 2, "editable installs were not repeated"
+
+    # A library built without sm_70 code is refused with one line naming what it holds.
+    _exe(cuobjdump, "#!/bin/sh\necho 'ELF file    1: common_ops.1.sm_80.cubin'\n")
+    third = run_installer(env=env)
+    assert third.returncode == 1
+    lines = [ln for ln in third.stderr.splitlines() if ln.strip()]
+    assert any("holds no sm_70 code" in ln and "sm_80" in ln for ln in lines), third.stderr
+    # and a toolkit without cuobjdump is refused before any change
+    cuobjdump.unlink()
+    fourth = run_installer(env=env)
+    assert fourth.returncode == 1 and "cuobjdump is missing" in fourth.stderr

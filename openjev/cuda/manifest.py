@@ -42,6 +42,8 @@ DEFAULT_COMPONENTS: tuple[tuple[str, str], ...] = (
     ("cuda_nvtx", "nvtx3/ headers (torch::nvtx3; the nvToolsExt fallback of torch's CMake config)"),
     ("cuda_profiler_api", "cuda_profiler_api.h (cudaProfilerStart/Stop): part of the runfile "
                           "toolkit's header set that CUDA-using builds assume; a few KiB"),
+    ("cuda_cuobjdump", "cuobjdump: lists the SM code a built library holds (the runtime installer's "
+                       "sm_70 check of sgl-kernel); about 0.2 MiB"),
 )
 
 
