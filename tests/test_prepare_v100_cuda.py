@@ -236,7 +236,7 @@ def test_platform_dirname_and_components_parsing():
         cuda_manifest.parse_components("cuda_nvcc,../x")
     # the default set covers what the sgl-kernel build and FlashInfer JIT need
     assert {"cuda_nvcc", "cuda_cudart", "cuda_cccl", "cuda_nvrtc", "libcublas", "libcusparse",
-            "libcusolver", "libcurand", "libcufft", "cuda_nvtx", "cuda_profiler_api"} <= set(cuda_manifest.DEFAULT_COMPONENT_NAMES)
+            "libcusolver", "libcurand", "libcufft", "cuda_nvtx", "cuda_profiler_api", "cuda_cuobjdump"} <= set(cuda_manifest.DEFAULT_COMPONENT_NAMES)
 
 
 @pytest.mark.parametrize("name", ["/etc/passwd", "top/../../etc/passwd", "other/bin/nvcc", "../top/x"])
