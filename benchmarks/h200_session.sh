@@ -28,21 +28,15 @@ DEVICE=${DEVICE:-cuda}
 GPU_NAME=$(nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader -i 0 2>/dev/null | head -n 1 | sed 's/, */ SM/; s/\.//')
 LABEL=${MACHINE_LABEL:-"${GPU_NAME:-unknown GPU} (development machine; not a V100)"}
 mkdir -p "$R" "$W" "$OUT"
-pack() { tar -czf "$OUT/results_h200.tgz" -C "$R" . ; }
-log() { echo "== $(date -u +%H:%M:%S) $*"; }
-free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+PACK="$OUT/results_h200.tgz"
+# shellcheck source=benchmarks/gpu_session_lib.sh
+. "$(pwd -P)/benchmarks/gpu_session_lib.sh"
 
 start_server() {  # start_server NAME PORT FLAGS... -> $SERVER
   local name=$1 port=$2; shift 2
   "$PY" app/serve_transformers.py "$W/model-$SHAPE" "$port" --device "$DEVICE" "$@" >"$R/$name.server.log" 2>&1 &
   SERVER=$!
-  for _ in $(seq 1 300); do
-    kill -0 "$SERVER" 2>/dev/null || { tail -n 20 "$R/$name.server.log"; return 1; }
-    "$PY" -c "import sys,requests; sys.exit(requests.get('http://127.0.0.1:$port/health',timeout=2).status_code!=200)" \
-      2>/dev/null && return 0
-    sleep 1
-  done
-  return 1
+  wait_healthy "$SERVER" "$port" "$R/$name.server.log" 300
 }
 stop_server() { kill "$SERVER" 2>/dev/null; wait "$SERVER" 2>/dev/null; }
 

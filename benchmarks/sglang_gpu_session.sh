@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # SGLang's GPU engine with the adapter, beside the embedded backend, on the same sets and references,
-# on a GPU machine that has torch, triton and transformers but no SGLang (the lent H200: SM90, not a
+# on a GPU machine that has torch, triton and transformers but no SGLang (the lent H100 or H200, not a
 # V100). Receipts land in OUTDIR/results.tgz, packed after every stage (a time-out keeps what ran).
 #
 #   python benchmarks/sglang_gpu_wheels.py          # here: the carried wheels in .carry/wheels
@@ -64,10 +64,9 @@ export PYTHONPATH="$REPO:$SITE:$SHIM${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERE
 # sgl_kernel's package metadata says 0.4.10, but its compiled library is absent: SGLang's start-up
 # version assertion reads the distribution, not the ops.
 export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
-pack() { tar -czf "$OUTDIR/results.tgz" -C "$R" . ; }
-log() { echo "== $(date -u +%H:%M:%S) $*"; }
-code() { echo "$1 exit $2" | tee -a "$R/exit_codes.txt"; }
-free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+PACK="$OUTDIR/results.tgz"
+# shellcheck source=benchmarks/gpu_session_lib.sh
+. "$REPO/benchmarks/gpu_session_lib.sh"
 set_path() {
   case $1 in s128) echo "$W/set-128-200-1500" ;; g303) echo "$W/set-303-200-1500" ;; t564) echo "$W/set-564-300-2500" ;;
     *) return 1 ;; esac
@@ -100,16 +99,6 @@ stage_prep() {
       --out "$ref" --device cuda || return 1
     mkdir -p "$R/reference_$s" && cp "$ref/reference.json" "$R/reference_$s/"
   done
-}
-
-wait_healthy() {  # PID PORT LOG
-  for _ in $(seq 1 500); do
-    kill -0 "$1" 2>/dev/null || { tail -n 40 "$3"; return 1; }
-    "$PY" -c "import sys,requests; sys.exit(requests.get('http://127.0.0.1:$2/health',timeout=2).status_code!=200)" \
-      2>/dev/null && return 0
-    sleep 1
-  done
-  return 1
 }
 
 bench() {  # NAME SET PORT PID [bench flags...]
@@ -231,12 +220,8 @@ stage_embedded() {
 
 export REPO PY W R SITE SETS REPS SHAPE MODEL LABEL SGLANG_ARGS VARIANT_ARGS VARIANT_ENV VARIANT_TAG VARIANT_MODES
 export TUNE_SETS TUNE_PROFILES TUNE_DEADLINE TO
-export -f free_port set_path wait_healthy bench run_sglang stage_setup stage_prep stage_sglang_cache \
+export PACK
+export -f log code pack free_port set_path wait_healthy bench run_sglang stage_setup stage_prep stage_sglang_cache \
   stage_sglang_uncached stage_ssm_fp16 stage_embedded stage_variant stage_native_ops stage_divergence stage_tune
-for s in ${STAGES:-setup prep sglang_cache sglang_uncached embedded}; do
-  log "stage $s"
-  timeout -k 10 "$TO" bash -c "stage_$s" 2>&1 | tee "$R/stage_$s.log"
-  code "$s" "${PIPESTATUS[0]}"
-  pack
-done
-log done
+# shellcheck disable=SC2086 # STAGES is a word list
+run_stages ${STAGES:-setup prep sglang_cache sglang_uncached embedded}

@@ -61,10 +61,9 @@ SET="$W/set-$ROWS-200-1500"
 MODEL="$W/model-$SHAPE"
 REF="$W/ref-embedded-$SHAPE-$DEVICE"
 mkdir -p "$R" "$OUTDIR"
-pack() { tar -czf "$OUTDIR/results.tgz" -C "$R" . ; }
-log() { echo "== $(date -u +%H:%M:%S) $*"; }
-code() { echo "$1 exit $2" | tee -a "$R/exit_codes.txt"; }
-free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+PACK="$OUTDIR/results.tgz"
+# shellcheck source=benchmarks/gpu_session_lib.sh
+. "$(pwd -P)/benchmarks/gpu_session_lib.sh"
 
 stage_prep() {
   nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv >"$R/nvidia_smi.csv" 2>&1
@@ -182,11 +181,7 @@ stage_replicas() {  # two replicas sharing GPU 0 behind the gateway
 export PY W R SHAPE DEVICE ROWS LABEL DTYPE SET MODEL REF PROFILE_ARGS SERVER_ARGS HTTP_LABEL REF_WORKERS OPENJEV_COMPILE VARIANTS DIVERGENCE_PARTS
 export VARIANTS=${VARIANTS:-} VARIANT_ARGS=${VARIANT_ARGS:-} DIVERGENCE_PARTS=${DIVERGENCE_PARTS:-}
 export HAPROXY=${HAPROXY:-}
-export -f free_port reference_again stage_replicas stage_prep stage_profile stage_profile_torch stage_reference stage_reference_w1 stage_reference_t1 stage_reference_b8 stage_reference_torch stage_variants stage_divergence stage_http stage_http_compiled stage_http16
-for s in ${STAGES:-prep profile profile_torch reference http}; do
-  log "stage $s"
-  timeout -k 10 "$TO" bash -c "stage_$s" 2>&1 | tee "$R/stage_$s.log"
-  code "$s" "${PIPESTATUS[0]}"
-  pack
-done
-log done
+export PACK
+export -f log code pack free_port wait_healthy reference_again stage_replicas stage_prep stage_profile stage_profile_torch stage_reference stage_reference_w1 stage_reference_t1 stage_reference_b8 stage_reference_torch stage_variants stage_divergence stage_http stage_http_compiled stage_http16
+# shellcheck disable=SC2086 # STAGES is a word list
+run_stages ${STAGES:-prep profile profile_torch reference http}
