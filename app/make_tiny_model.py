@@ -47,15 +47,6 @@ SHAPES: dict[str, dict] = {
         linear_conv_kernel_dim=4, max_position_embeddings=32768, tie_word_embeddings=True,
         layer_types=["linear_attention"] * 3 + ["full_attention"], full_attention_interval=4,
     ),
-    # As tiny, with the linear-attention (GDN) key/value head dim 64: sgl-kernel's CPU GDN kernels
-    # accept head dims 64 and 128 only, so SGLang's CPU engine runs this one.
-    "tiny-gdn64": dict(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
-        linear_conv_kernel_dim=4, max_position_embeddings=32768, tie_word_embeddings=True,
-        layer_types=["linear_attention"] * 3 + ["full_attention"], full_attention_interval=4,
-    ),
     "qwen3.5-4b": dict(
         vocab_size=248320, hidden_size=2560, intermediate_size=9216, num_hidden_layers=32,
         num_attention_heads=16, num_key_value_heads=4, head_dim=256,
@@ -65,6 +56,10 @@ SHAPES: dict[str, dict] = {
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
     ),
 }
+# As tiny, with the linear-attention (GDN) key/value head dim 64: sgl-kernel's CPU GDN kernels
+# accept head dims 64 and 128 only, so SGLang's CPU engine runs this one.
+SHAPES["tiny-gdn64"] = dict(SHAPES["tiny"], layer_types=list(SHAPES["tiny"]["layer_types"]),
+                            linear_key_head_dim=64, linear_value_head_dim=64)
 # The vision tower is never run for text classification; keep it minimal in both shapes.
 STUB_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
                    temporal_patch_size=2, spatial_merge_size=2)
