@@ -60,7 +60,6 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 APP = REPO / "app"
 
-
 from openjev.common import UserError, atomic_write_json, git_revision, run_main, utc_now
 from openjev_testsupport import unit_runner
 from openjev_testsupport.loopback_bench import Client, admin, build_tiny, machine, run, summary_ms

@@ -52,7 +52,6 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 
-
 from openjev.common import UserError, atomic_write_json, git_revision, run_main, softmax, utc_now
 from openjev_testsupport import unit_runner
 from openjev_testsupport.loopback_bench import Client, admin, free_pair, machine, run, summary_ms

@@ -4,6 +4,12 @@
 log() { echo "== $(date -u +%H:%M:%S) $*"; }
 code() { echo "$1 exit $2" | tee -a "$R/exit_codes.txt"; }
 pack() { tar -czf "$PACK" -C "$R" . ; }
+# the machine as the driver names it (the lent GPU may be an H100 or an H200: never a V100)
+machine_label() {
+  local gpu
+  gpu=$(nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader -i 0 2>/dev/null | head -n 1 | sed 's/, */ SM/; s/\.//')
+  echo "${gpu:-unknown GPU} (development machine; not a V100)"
+}
 free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
 wait_healthy() {  # PID PORT LOG [TRIES]: GET /health once a second until 200; the log's tail if PID dies

@@ -24,13 +24,11 @@ W=${WORK:-/tmp/openjev-h200}
 R="$W/results"   # packed into OUTDIR/results_h200.tgz
 SHAPE=${SHAPE:-qwen3.5-4b}
 DEVICE=${DEVICE:-cuda}
-# the machine as the driver names it (the lent GPU may be an H100 or an H200: never a V100)
-GPU_NAME=$(nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader -i 0 2>/dev/null | head -n 1 | sed 's/, */ SM/; s/\.//')
-LABEL=${MACHINE_LABEL:-"${GPU_NAME:-unknown GPU} (development machine; not a V100)"}
 mkdir -p "$R" "$W" "$OUT"
 PACK="$OUT/results_h200.tgz"
 # shellcheck source=benchmarks/gpu_session_lib.sh
 . "$(pwd -P)/benchmarks/gpu_session_lib.sh"
+LABEL=${MACHINE_LABEL:-$(machine_label)}
 
 start_server() {  # start_server NAME PORT FLAGS... -> $SERVER
   local name=$1 port=$2; shift 2

@@ -53,9 +53,6 @@ TO=${STAGE_TIMEOUT:-560}
 REPS=${REPETITIONS:-3}
 SHAPE=qwen3.5-4b
 MODEL="$W/model-$SHAPE"
-# the machine as the driver names it (the lent GPU may be an H100 or an H200: never a V100)
-GPU_NAME=$(nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader -i 0 2>/dev/null | head -n 1 | sed 's/, */ SM/; s/\.//')
-LABEL=${MACHINE_LABEL:-"${GPU_NAME:-unknown GPU} (development machine; not a V100)"}
 REPO=$(pwd -P)
 SHIM="$REPO/openjev_testsupport/sgl_kernel_cuda_standin/shim"
 mkdir -p "$R" "$OUTDIR"
@@ -67,6 +64,7 @@ export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
 PACK="$OUTDIR/results.tgz"
 # shellcheck source=benchmarks/gpu_session_lib.sh
 . "$REPO/benchmarks/gpu_session_lib.sh"
+LABEL=${MACHINE_LABEL:-$(machine_label)}
 set_path() {
   case $1 in s128) echo "$W/set-128-200-1500" ;; g303) echo "$W/set-303-200-1500" ;; t564) echo "$W/set-564-300-2500" ;;
     *) return 1 ;; esac
@@ -201,7 +199,7 @@ EOS
     >"$R/tune.stdout.txt" 2>"$R/tune.stderr.txt"
   local rc=$?
   mkdir -p "$R/tune"
-  ( cd "$W/tune" && find . -name '*.json' -o -name '*.npy' -o -name '*.png' -o -name '*.log' | tar -czf "$R/tune/tune_run.tgz" -T - )
+  [ -d "$W/tune" ] && ( cd "$W/tune" && find . -name '*.json' -o -name '*.npy' -o -name '*.png' -o -name '*.log' | tar -czf "$R/tune/tune_run.tgz" -T - )
   cp "$W/tune/summary.json" "$W/tune/run.json" "$W/tune/comparison.png" "$R/tune/" 2>/dev/null
   return "$rc"
 }
@@ -219,8 +217,7 @@ stage_embedded() {
 }
 
 export REPO PY W R SITE SETS REPS SHAPE MODEL LABEL SGLANG_ARGS VARIANT_ARGS VARIANT_ENV VARIANT_TAG VARIANT_MODES
-export TUNE_SETS TUNE_PROFILES TUNE_DEADLINE TO
-export PACK
+export TUNE_SETS TUNE_PROFILES TUNE_DEADLINE TO PACK
 export -f log code pack free_port set_path wait_healthy bench run_sglang stage_setup stage_prep stage_sglang_cache \
   stage_sglang_uncached stage_ssm_fp16 stage_embedded stage_variant stage_native_ops stage_divergence stage_tune
 # shellcheck disable=SC2086 # STAGES is a word list

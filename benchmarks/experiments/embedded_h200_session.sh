@@ -53,9 +53,6 @@ SHAPE=${SHAPE:-qwen3.5-4b}
 DEVICE=${DEVICE:-cuda}
 ROWS=${ROWS:-128}
 TO=${STAGE_TIMEOUT:-400}
-# the machine as the driver names it (the lent GPU may be an H100 or an H200: never a V100)
-GPU_NAME=$(nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader -i 0 2>/dev/null | head -n 1 | sed 's/, */ SM/; s/\.//')
-LABEL=${MACHINE_LABEL:-"${GPU_NAME:-unknown GPU} (development machine; not a V100)"}
 DTYPE=$([ "$DEVICE" = cpu ] && echo float32 || echo float16)
 SET="$W/set-$ROWS-200-1500"
 MODEL="$W/model-$SHAPE"
@@ -64,6 +61,7 @@ mkdir -p "$R" "$OUTDIR"
 PACK="$OUTDIR/results.tgz"
 # shellcheck source=benchmarks/gpu_session_lib.sh
 . "$(pwd -P)/benchmarks/gpu_session_lib.sh"
+LABEL=${MACHINE_LABEL:-$(machine_label)}
 
 stage_prep() {
   nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv >"$R/nvidia_smi.csv" 2>&1
