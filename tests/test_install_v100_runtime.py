@@ -425,13 +425,18 @@ exec '{PY}' -S "$@"
     assert [sg for sg, st in again.values() if sg == "runtime" and st == "ran"] == ["runtime"], "only the HEAD check"
     assert pip_log.read_text().count("--no-build-isolation -e") == 2, "editable installs were not repeated"
 
-    # A library built without sm_70 code is refused with one line naming what it holds.
+    # A library built without sm_70 code is refused with one line naming what it holds; the last
+    # good receipt stays as it was (the receipt step comes after the check).
+    receipt_before = (root / "results" / "runtime_receipt.json").read_bytes()
     _exe(cuobjdump, "#!/bin/sh\necho 'ELF file    1: common_ops.1.sm_80.cubin'\n")
     third = run_installer(env=env)
     assert third.returncode == 1
     lines = [ln for ln in third.stderr.splitlines() if ln.strip()]
     assert any("holds no sm_70 code" in ln and "sm_80" in ln for ln in lines), third.stderr
+    assert (root / "results" / "runtime_receipt.json").read_bytes() == receipt_before
     # and a toolkit without cuobjdump is refused before any change
     cuobjdump.unlink()
+    before = tree(root)
     fourth = run_installer(env=env)
     assert fourth.returncode == 1 and "cuobjdump is missing" in fourth.stderr
+    assert tree(root) == before, "nothing under the root changed"
