@@ -200,3 +200,15 @@ def test_every_row_is_a_refusal_of_the_code():
 def test_no_row_is_listed_twice():
     texts = [text for _, text in doc_rows()]
     assert sorted({t for t in texts if texts.count(t) > 1}) == []
+
+
+def test_every_shell_refusal_is_a_double_quoted_string():
+    # Anything else (single quotes, an unquoted word) would escape the collection above.
+    odd = []
+    for path in sorted({p for pat in SH_SOURCES for p in REPO.glob(pat)}):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split(" #", 1)[0] if not line.lstrip().startswith("#") else ""
+            for m in re.finditer(r"\b(die|usage_error)\b(?!\s*\(\))\s*(\S?)", code):
+                if m.group(2) != '"':
+                    odd.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
+    assert odd == []
