@@ -5,9 +5,10 @@ Collected from the source, nothing run: UserError(...) and LaunchError(...) mess
 openjev/ and sglang_openjev/, the few messages built before the error that prints them
 (PY_TARGETS, SH_MESSAGE_VARS), and `die "..."` / `usage_error "..."` in app/*.sh and
 openjev/common.sh. A message becomes a pattern: its fixed text, with each f-string field or shell
-expansion a wildcard. A row's message (the first cell, in backticks; `<name>` marks
-a variable part) must be one whole message: a pattern matches it from start to end, so a row may
-write a wildcard as a placeholder or as a concrete value, but never change the fixed text.
+expansion (a variable, ${...}, $(...) with its own quotes inside) a wildcard. A row's message (the
+first cell, in backticks; `<name>` marks a variable part) must be one whole message: a pattern
+matches it from start to end, so a row may write a wildcard as a placeholder or as a concrete
+value, but never change the fixed text.
 """
 
 from __future__ import annotations
@@ -112,13 +113,55 @@ def python_messages() -> list[Message]:
 
 
 # ---------------------------------------------------------------- shell
-SH_CALL = re.compile(r'\b(die|usage_error)\s+"((?:[^"\\]|\\.)*)"')
-SH_EXPANSION = re.compile(r"\$\(\([^)]*\)\)|\$\{[^}]*\}|\$[A-Za-z_][A-Za-z0-9_]*|\$[0-9#@*?]")
+SH_CALL = re.compile(r'\b(die|usage_error)\s+"')
+SH_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|[0-9#@*?]")
 
 
-def _sh_text(body: str) -> str:
-    text = SH_EXPANSION.sub(WILD, body)
-    return re.sub(r'\\([\\"$`])', r"\1", text)
+def _sh_close(s: str, i: int, close: str) -> int:
+    """Just past the `close` that ends an expansion whose body starts at s[i] ($(...), ${...})."""
+    opener, depth = {")": "(", "}": "{"}[close], 1
+    while i < len(s):
+        c = s[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == "'":
+            i = s.index("'", i + 1) + 1
+            continue
+        if c == '"':
+            i = _sh_double_quoted(s, i + 1)[1]
+            continue
+        depth += (c == opener) - (c == close)
+        i += 1
+        if depth == 0:
+            return i
+    raise ValueError(f"unterminated expansion in {s[:80]!r}...")
+
+
+def _sh_double_quoted(s: str, i: int) -> tuple[str, int]:
+    """A bash double-quoted string whose body starts at s[i]: its fixed text, with WILD for each
+    expansion (a variable, ${...}, $(...) with its own quotes, $((...)), `...`), and the index just
+    past its closing quote."""
+    out = []
+    while s[i] != '"':
+        c = s[i]
+        if c == "\\":
+            nxt = s[i + 1]
+            out.append(nxt if nxt in '\\"$`' else "" if nxt == "\n" else c + nxt)
+            i += 2
+        elif c == "$" and s[i + 1] in "({":
+            i = _sh_close(s, i + 2, ")" if s[i + 1] == "(" else "}")
+            out.append(WILD)
+        elif c == "$" and (m := SH_NAME.match(s, i + 1)):
+            i = m.end()
+            out.append(WILD)
+        elif c == "`":
+            i = s.index("`", i + 1) + 1
+            out.append(WILD)
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out), i + 1
 
 
 def shell_messages() -> list[Message]:
@@ -131,12 +174,15 @@ def shell_messages() -> list[Message]:
         for m in SH_CALL.finditer(source):
             if source[: m.start()].rsplit("\n", 1)[-1].lstrip().startswith("#"):
                 continue  # a comment
-            text = _sh_text(m.group(2)) + (" (see --help)" if m.group(1) == "usage_error" else "")
+            text = _sh_double_quoted(source, m.end())[0]
+            text += " (see --help)" if m.group(1) == "usage_error" else ""
             out.append(Message(rel, line_of(m.start()), text))
         for file, var in SH_MESSAGE_VARS:
             if file == rel:
-                for m in re.finditer(rf'\b{var}="((?:[^"\\]|\\.)+)"', source):
-                    out.append(Message(rel, line_of(m.start()), _sh_text(m.group(1))))
+                for m in re.finditer(rf'\b{var}="', source):
+                    text = _sh_double_quoted(source, m.end())[0]
+                    if text:  # not the reset to ""
+                        out.append(Message(rel, line_of(m.start()), text))
     return out
 
 
@@ -169,6 +215,12 @@ def test_the_collection_finds_the_refusals():
     for f in ("app/prepare_v100_cuda.py", "app/install_v100_runtime.sh", "app/serve_sglang_v100.sh",
               "openjev/common.py", "openjev/common.sh", "sglang_openjev/launch_server.py", "app/v100_preflight.py"):
         assert f in files, f
+
+
+def test_a_shell_message_is_read_whole_through_nested_quotes_and_expansions():
+    source = 'die "$(readlink -f -- "$d/$f") has mode ${m:+${m} }$((8#$m)): `id -un`, \\$x" rest'
+    text, end = _sh_double_quoted(source, len('die "'))
+    assert text == f"{WILD} has mode {WILD}{WILD}: {WILD}, $x" and source[end:] == " rest"
 
 
 def test_every_exemption_is_a_message_too_short_to_identify():
