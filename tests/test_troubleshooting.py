@@ -3,7 +3,7 @@ the code can print.
 
 Collected from the source, nothing run: UserError(...) and LaunchError(...) messages in app/,
 openjev/ and sglang_openjev/, the few messages built before the error that prints them
-(PY_TARGETS, SH_MESSAGE_VARS), and `die "..."` / `usage_error "..."` in app/*.sh and
+(PY_TARGETS, SH_MESSAGE_VARS), and `die "..."` / `usage_error "..."` in app/*.sh, deploy/*.sh and
 openjev/common.sh. A message becomes a pattern: its fixed text, with each f-string field or shell
 expansion (a variable, ${...}, $(...) with its own quotes inside) a wildcard. A row's message (the
 first cell, in backticks; `<name>` marks a variable part) must be one whole message: a pattern
@@ -24,7 +24,7 @@ WILD = "\0"  # a variable part in a message taken from the code
 MIN_FIXED = 10  # fewer fixed characters than this cannot identify a message
 
 PY_SOURCES = ("app/*.py", "openjev/**/*.py", "sglang_openjev/*.py")
-SH_SOURCES = ("app/*.sh", "openjev/common.sh")
+SH_SOURCES = ("app/*.sh", "deploy/*.sh", "openjev/common.sh")
 ERRORS = {"UserError", "LaunchError"}
 # Messages built before the error that prints them: (file, Python target assigned or called).
 PY_TARGETS = {
@@ -49,6 +49,7 @@ EXEMPT = {
     ("openjev/engine/classifier.py", f"{WILD}: {WILD}"): "the checkpoint path and contract.check_label_order's ValueError",
     ("openjev/engine/classifier.py", WILD): "weights.refuse_if_problems' ValueError (the checkpoint's tensors)",
     ("openjev/tune/profiles.py", f"--set {WILD}: {WILD}"): "a set's name before a bench input refusal (openjev/bench/inputs.py)",
+    ("deploy/openjev_certs.sh", f"{WILD} failed: {WILD}"): "run(): `openssl failed: OUTPUT`, told in prose beside the table",
 }
 
 
@@ -213,7 +214,8 @@ def test_the_collection_finds_the_refusals():
     files = {m.file for m in messages}
     assert len(messages) > 150, len(messages)
     for f in ("app/prepare_v100_cuda.py", "app/install_v100_runtime.sh", "app/serve_sglang_v100.sh",
-              "openjev/common.py", "openjev/common.sh", "sglang_openjev/launch_server.py", "app/v100_preflight.py"):
+              "openjev/common.py", "openjev/common.sh", "sglang_openjev/launch_server.py", "app/v100_preflight.py",
+              "deploy/install_units.sh", "deploy/install_units_multihost.sh", "deploy/openjev_certs.sh"):
         assert f in files, f
 
 
