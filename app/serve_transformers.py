@@ -11,7 +11,7 @@ reference the SGLang path is compared against. Same wire contract as the SGLang 
   POST /tokenize       vLLM's shape: text -> token ids (the model's tokenizer)
   POST /detokenize     vLLM's shape: token ids -> text
   GET  /metrics        Prometheus text: requests, rows, tokens, steps, queue, errors
-  POST /flush_cache    no prefix cache here: answers 200 and says so (counted in /server_info)
+  POST /flush_cache    drops the cached prefix states (--prefix-reuse); without them answers 200 and says so
   GET  /server_info    backend, model, dtype, device, limits, counters, bundle git revision
   GET  /v1/models      the served model, for OpenAI-style clients
 
@@ -77,7 +77,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batching", default="auto", choices=["auto", "exact", "padded"],
                    help="exact: one unpadded forward per row (bitwise the reference scorer); padded: rows of a step "
                         "padded into one forward; auto: exact on CPU, padded on a GPU (default: auto)")
-    p.add_argument("--disable-radix-cache", action="store_true", help="accepted for launcher parity (no cache here)")
+    p.add_argument("--disable-radix-cache", action="store_true",
+                   help="accepted for launcher parity; the embedded backend caches prefixes only with --prefix-reuse")
+    p.add_argument("--prefix-reuse", action="store_true",
+                   help="rows of a step that share a prefix run it once, and the states after prefixes are kept "
+                        "across requests (--prefix-cache-mb); logits are close to the exact forward's, not bitwise "
+                        "(default: off, every row runs whole)")
+    p.add_argument("--prefix-cache-mb", type=int, default=_env_int("OPENJEV_PREFIX_CACHE_MB", 4096),
+                   help="with --prefix-reuse: device memory for cached prefix states, least recently used dropped "
+                        "first; 0 shares prefixes within a step only (default: 4096, env OPENJEV_PREFIX_CACHE_MB)")
+    p.add_argument("--prefix-min-tokens", type=int, default=32,
+                   help="with --prefix-reuse: the shortest shared prefix run once for several rows (default: 32)")
     p.add_argument("--served-model-name", default=None, help="model name in responses (default: the checkpoint directory name)")
     p.add_argument("--step-token-budget", type=int, default=_env_int("OPENJEV_STEP_TOKEN_BUDGET", 16384),
                    help="tokens per scheduling step: a larger request is split over steps, the requests served the "
@@ -124,6 +134,8 @@ def main() -> int:
     if min(args.watchdog_seconds, args.torch_threads, args.drain_seconds, args.max_queued_requests) < 0:
         raise UserError("--watchdog-seconds, --drain-seconds, --max-queued-requests and --torch-threads must not "
                         "be negative")
+    if args.prefix_cache_mb < 0 or args.prefix_min_tokens < 1:
+        raise UserError("--prefix-cache-mb must not be negative and --prefix-min-tokens must be >= 1")
     if not (args.checkpoint / "config.json").is_file():
         raise UserError(f"{args.checkpoint} is not a model directory (no config.json)")
     from openjev.engine.fused import fused_mode

@@ -4,7 +4,9 @@
 Run on the same machine right after the bench (the server idle, the GPU otherwise unused): it
 measures the fp16 matmul peak (float32 on a CPU) here and now, counts the matmul FLOPs of one pass
 from the checkpoint's safetensors headers (2 x linear-layer weight elements x the real tokens the
-bench sent per pass), and divides by the receipt's median wall time (warm, else cold). The kernel
+bench sent per pass), and divides by the receipt's median wall time (warm, else cold); where the
+server counts the tokens its forwards really ran (the embedded backend, fewer with --prefix-reuse),
+also on those ("on_computed_tokens"). The kernel
 path is copied from the receipt's own /server_info snapshot (server.info_after, else info_before).
 The receipt is rewritten atomically; every other field stays as the bench wrote it.
 
@@ -37,6 +39,17 @@ def median_wall(receipt: dict) -> tuple[str, float]:
     raise UserError("receipt has no measured pass (warm/cold timing.median_wall_s)")
 
 
+def computed_share(server: dict) -> float | None:
+    """Real tokens the server's forwards ran over the tokens it was sent, between the bench's /server_info
+    snapshots; None where the server does not count them (SGLang, older receipts) or nothing was sent."""
+    before = (server.get("info_before") or {}).get("counters") or {}
+    after = (server.get("info_after") or {}).get("counters") or {}
+    if "computed_tokens" not in before or "computed_tokens" not in after:
+        return None
+    sent = after.get("tokens", 0) - before.get("tokens", 0)
+    return (after["computed_tokens"] - before["computed_tokens"]) / sent if sent > 0 else None
+
+
 def main() -> int:
     args = build_parser().parse_args()
     try:
@@ -50,11 +63,20 @@ def main() -> int:
     from openjev.engine.flops import compute_bound, measure_matmul_peak, model_flops
 
     dtype = "float32" if args.device == "cpu" else "float16"
-    bound = compute_bound(measure_matmul_peak(args.device, dtype), dtype, model_flops(args.model, tokens), wall)
+    peak = measure_matmul_peak(args.device, dtype)
+    bound = compute_bound(peak, dtype, model_flops(args.model, tokens), wall)
     bound["timing_mode"] = mode
     bound["measured_by"] = "benchmarks/compute_bound.py, right after the bench on the same machine"
     server = receipt.get("server") or {}
     info = server.get("info_after") or server.get("info_before") or {}
+    share = computed_share(server)
+    if share is not None:  # with prefix reuse the forwards run fewer tokens than the set holds
+        computed = round(tokens * share)
+        bound["on_computed_tokens"] = {
+            **compute_bound(peak, dtype, model_flops(args.model, computed), wall),
+            "tokens_computed_per_pass": computed, "computed_share": round(share, 4),
+            "how": "the server's counters (computed_tokens over tokens) between the bench's two /server_info "
+                   "snapshots, so an average over every pass the bench sent"}
     receipt["compute_bound"] = bound
     receipt["kernel_path"] = info.get("kernel_path")
     atomic_write_json(args.receipt, receipt)

@@ -18,7 +18,9 @@
 #                    --cold-cache (flushed before each pass), then warm
 #   sglang_uncached  the same with --disable-radix-cache; per set one bench
 #   embedded         app/serve_transformers.py --max-running-requests 16 --step-token-budget 65536; per
-#                    set one bench (it has no prefix cache: one mode)
+#                    set one bench (the exact path has no prefix cache: one mode)
+#   embedded_prefix  the same with --prefix-reuse --prefix-cache-mb PREFIX_CACHE_MB (default 49152); per set
+#                    a bench flushed before each pass (--cold-cache), then warm
 #   ssm_fp16         radix cache with SGLANG_MAMBA_SSM_DTYPE=float16 (the SM70 setting): flushed bench
 #                    on the T-like set, for the state-dtype comparison on the longest inputs
 #   variant          one server with VARIANT_ARGS (serve_sglang_v100.sh flags) and VARIANT_ENV
@@ -216,9 +218,26 @@ stage_embedded() {
   return 0
 }
 
+stage_embedded_prefix() {  # the embedded backend with --prefix-reuse: per set, flushed before each pass, then warm
+  local port pid s
+  port=$(free_port)
+  "$PY" app/serve_transformers.py "$MODEL" "$port" --device cuda --max-running-requests 16 --step-token-budget 65536 \
+    --prefix-reuse --prefix-cache-mb "${PREFIX_CACHE_MB:-49152}" >"$R/embedded_prefix.server.log" 2>&1 &
+  pid=$!
+  wait_healthy "$pid" "$port" "$R/embedded_prefix.server.log" || { kill "$pid"; return 1; }
+  for s in $SETS; do
+    bench "embedded_prefix_${s}_flushed" "$s" "$port" "$pid" --cold-cache
+    bench "embedded_prefix_${s}_warm" "$s" "$port" "$pid"
+  done
+  "$PY" -c "import json,requests; print(json.dumps(requests.get('http://127.0.0.1:$port/server_info',timeout=10).json(), indent=1, default=str))" \
+    >"$R/embedded_prefix.server_info.json" 2>&1
+  kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+  return 0
+}
+
 export REPO PY W R SITE SETS REPS SHAPE MODEL LABEL SGLANG_ARGS VARIANT_ARGS VARIANT_ENV VARIANT_TAG VARIANT_MODES
-export TUNE_SETS TUNE_PROFILES TUNE_DEADLINE TO PACK
+export TUNE_SETS TUNE_PROFILES TUNE_DEADLINE TO PACK PREFIX_CACHE_MB
 export -f log code pack free_port set_path wait_healthy bench run_sglang stage_setup stage_prep stage_sglang_cache \
-  stage_sglang_uncached stage_ssm_fp16 stage_embedded stage_variant stage_native_ops stage_divergence stage_tune
+  stage_sglang_uncached stage_ssm_fp16 stage_embedded stage_embedded_prefix stage_variant stage_native_ops stage_divergence stage_tune
 # shellcheck disable=SC2086 # STAGES is a word list
 run_stages ${STAGES:-setup prep sglang_cache sglang_uncached embedded}

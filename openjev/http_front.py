@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import traceback
@@ -55,6 +56,14 @@ class Metrics:
         healthy.set_function(lambda: 1.0 if health_problem(engine) is None else 0.0)
         budget = Gauge("openjev_step_token_budget", "tokens per scheduling step", registry=r)
         budget.set(engine.args.step_token_budget)
+        self.computed_tokens = Counter("openjev_computed_tokens", "real tokens the forwards ran (with prefix reuse, "
+                                       "fewer than openjev_tokens)", registry=r)
+        for key, doc in (("entries", "prefix states cached"), ("bytes", "bytes of the prefix states cached"),
+                         ("hits", "rows that went on from a cached prefix state"),
+                         ("misses", "rows with no cached prefix state"),
+                         ("tokens_reused", "tokens rows took from cached prefix states instead of running them")):
+            g = Gauge(f"openjev_prefix_cache_{key}", f"{doc} (0 without --prefix-reuse)", registry=r)
+            g.set_function(functools.partial(engine.prefix_cache_stat, key))
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -279,9 +288,7 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
-        engine.counters.flush_cache_calls += 1
-        return JSONResponse({"flushed": False, "message": "the transformers backend has no prefix cache; nothing to flush",
-                             "flush_cache_calls": engine.counters.flush_cache_calls})
+        return JSONResponse(engine.flush_cache())
 
     @app.get("/server_info")
     async def server_info():

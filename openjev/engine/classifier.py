@@ -37,8 +37,25 @@ from sglang_openjev.contract import check_label_order
 
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 
-# Real lengths of the rows of the right-padded forward running in this thread (None: not padded).
-_ROW_LENGTHS: contextvars.ContextVar = contextvars.ContextVar("openjev_row_lengths", default=None)
+
+
+@dataclass(frozen=True)
+class PaddedLayout:
+    """The right-padded forward running in this thread: each row's real length, and for rows that go
+    on from a prefix state (openjev/engine/prefix.py) the prefix length and where the cached keys end
+    (prefixes are left-padded to `offset`); per_row_states asks for each row's own final GDN state."""
+
+    lengths: tuple
+    starts: tuple | None = None
+    offset: int = 0
+    per_row_states: bool = False
+
+
+_LAYOUT: contextvars.ContextVar = contextvars.ContextVar("openjev_padded_layout", default=None)
+
+
+def current_layout() -> PaddedLayout | None:
+    return _LAYOUT.get()
 
 
 @dataclass
@@ -222,12 +239,22 @@ def rowwise_attention() -> str:
         return mode
 
     def sdpa_rowwise(module, query, key, value, attention_mask, **kwargs):
-        lengths = _ROW_LENGTHS.get()
-        if lengths is None or query.shape[0] != len(lengths) or query.shape[2] != key.shape[2]:
+        layout = _LAYOUT.get()
+        if layout is None or query.shape[0] != len(layout.lengths):
             return inner(module, query, key, value, attention_mask, **kwargs)
+        if not any(layout.starts or ()):
+            if query.shape[2] != key.shape[2]:
+                return inner(module, query, key, value, attention_mask, **kwargs)
+            out = query.new_zeros((query.shape[0], query.shape[2], query.shape[1], value.shape[-1]))
+            for j, n in enumerate(layout.lengths):
+                row, _ = inner(module, query[j:j + 1, :, :n], key[j:j + 1, :, :n], value[j:j + 1, :, :n], None, **kwargs)
+                out[j:j + 1, :n] = row
+            return out, None
         out = query.new_zeros((query.shape[0], query.shape[2], query.shape[1], value.shape[-1]))
-        for j, n in enumerate(lengths):
-            row, _ = inner(module, query[j:j + 1, :, :n], key[j:j + 1, :, :n], value[j:j + 1, :, :n], None, **kwargs)
+        off = layout.offset
+        for j, (n, p) in enumerate(zip(layout.lengths, layout.starts)):
+            q, k, v = query[j:j + 1, :, :n], key[j:j + 1, :, off - p: off + n], value[j:j + 1, :, off - p: off + n]
+            row = inner(module, q, k, v, None, **kwargs)[0] if p == 0 else _attend_after_prefix(module, q, k, v, **kwargs)
             out[j:j + 1, :n] = row
         return out, None
 
@@ -236,14 +263,36 @@ def rowwise_attention() -> str:
     return mode
 
 
+def _attend_after_prefix(module, query, key, value, scaling=None, **kwargs):
+    """One row's queries over its prefix's keys and its own, causal from the bottom right (query i
+    sees every prefix key and its own first i + 1), in [1, n, heads, dim] as Transformers' SDPA
+    function returns it."""
+    import torch
+    from torch.nn.attention.bias import causal_lower_right
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    n, total = query.shape[2], key.shape[2]
+    mask = causal_lower_right(n, total) if n > 1 else None
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+    return out.transpose(1, 2)
+
+
 @contextlib.contextmanager
-def padded_rows(lengths: list[int]):
-    """The real lengths of a right-padded forward, for rowwise_attention, in this thread."""
-    token = _ROW_LENGTHS.set(tuple(int(n) for n in lengths))
+def padded_layout(lengths, starts=None, offset: int = 0, per_row_states: bool = False):
+    """Declare the right-padded forward about to run in this thread (see PaddedLayout)."""
+    token = _LAYOUT.set(PaddedLayout(tuple(int(n) for n in lengths), tuple(int(p) for p in starts) if starts else None,
+                                     int(offset), per_row_states))
     try:
         yield
     finally:
-        _ROW_LENGTHS.reset(token)
+        _LAYOUT.reset(token)
+
+
+def padded_rows(lengths: list[int]):
+    """The real lengths of a right-padded forward, for rowwise_attention, in this thread."""
+    return padded_layout(lengths)
 
 
 def padded_logits(clf: Classifier, rows: list[list[int]]):

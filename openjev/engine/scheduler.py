@@ -33,12 +33,25 @@ class Job:
 
 
 @dataclass
+class StepResult:
+    """What one scheduling step's forwards gave: logits [rows, 3] in the step's row order, and counts."""
+
+    logits: object          # np.ndarray float32
+    forwards: int
+    computed_tokens: int    # real tokens the forwards ran (padding not counted)
+    padded_tokens: int      # tokens the forwards ran, padding included
+    reused_tokens: int      # tokens of the rows taken from prefix states instead of run
+
+
+@dataclass
 class Counters:
     requests: int = 0
     rows: int = 0
     tokens: int = 0
     forward_passes: int = 0
     padded_tokens: int = 0          # tokens the forwards ran, padding included
+    computed_tokens: int = 0        # real tokens the forwards ran (fewer than tokens with prefix reuse)
+    reused_tokens: int = 0          # tokens of rows taken from prefix states instead of run
     steps: int = 0
     flush_cache_calls: int = 0
     errors_4xx: int = 0
@@ -136,6 +149,7 @@ class Engine:
     load_seconds: float | None = None
     torch_threads: int | None = None
     metrics: object | None = None
+    prefix: object | None = None    # openjev/engine/prefix.py PrefixEngine with --prefix-reuse
     _pending: "list[Job]" = field(default_factory=list)
     _cv: threading.Condition = field(default_factory=threading.Condition)
     _stopping: bool = False
@@ -160,6 +174,12 @@ class Engine:
             from openjev.engine.warmup import prepare_serving  # compile GDN kernels before the first request
 
             self.warmup = prepare_serving(self.clf, self.batching, self.args.max_running_requests)
+            if getattr(self.args, "prefix_reuse", False):
+                from openjev.engine.prefix import PrefixEngine
+
+                if self.clf.pad_token_id is None:
+                    raise ValueError("--prefix-reuse pads continuations and needs a pad_token_id in config.json")
+                self.prefix = PrefixEngine(self.clf, self.args.prefix_cache_mb << 20, self.args.prefix_min_tokens)
         except Exception as exc:  # noqa: BLE001 - any load failure ends the process with one line
             self.state, self.error = "failed", f"model failed to load from {self.args.checkpoint}: {exc}"
             log.error(self.error)
@@ -258,34 +278,13 @@ class Engine:
                 self._pending = [j for j in self._pending if not j.cancelled and j.done_rows < len(j.rows)]
 
     def _run_step(self, picked: list[tuple[Job, int]]) -> None:
-        import numpy as np
-
-        from openjev.engine.classifier import padded_logits, score_exact
-
         rows = [job.rows[i] for job, i in picked]
         t0 = time.perf_counter()
         try:
-            logits = np.empty((len(rows), 3), dtype=np.float32)
-            queued = []  # padded forwards of this step, their logits still on the device
-            forwards = padded_tokens = 0
-            for idx in length_groups([len(r) for r in rows], self.args.max_running_requests):
-                group = [rows[i] for i in idx]
-                if self.batching == "exact" or self.clf.pad_token_id is None:
-                    logits[idx] = score_exact(self.clf, group)
-                    forwards += len(group)
-                    padded_tokens += sum(map(len, group))
-                else:  # similar lengths together keep padding small; one host copy per step
-                    queued.append((idx, padded_logits(self.clf, group)))
-                    forwards += 1
-                    padded_tokens += max(map(len, group)) * len(group)
-            self.counters.forward_passes += forwards
-            self.counters.padded_tokens += padded_tokens
-            if queued:
-                import torch
-
-                with torch.inference_mode():
-                    host = torch.cat([t for _, t in queued]).float().cpu().numpy()
-                logits[[i for idx, _ in queued for i in idx]] = host
+            if self.prefix is not None:
+                done = self.prefix.run_step(rows, self.args.max_running_requests)
+            else:
+                done = self._forward_rows(rows)
         except Exception as exc:  # noqa: BLE001 - every request of the failed step gets the error
             log.exception("forward failed")
             with self._cv:
@@ -293,16 +292,52 @@ class Engine:
                     job.cancelled = True
                     job.loop.call_soon_threadsafe(_set_exception, job.future, exc)
             return
-        elapsed = time.perf_counter() - t0
-        self.counters.steps += 1
+        self._finish_step(picked, rows, done, time.perf_counter() - t0)
+
+    def _forward_rows(self, rows: list[list[int]]) -> StepResult:
+        """The step's rows without prefix reuse: exact or padded forwards, cut by length."""
+        import numpy as np
+
+        from openjev.engine.classifier import padded_logits, score_exact
+
+        logits = np.empty((len(rows), 3), dtype=np.float32)
+        queued = []  # padded forwards of this step, their logits still on the device
+        forwards = padded_tokens = 0
+        for idx in length_groups([len(r) for r in rows], self.args.max_running_requests):
+            group = [rows[i] for i in idx]
+            if self.batching == "exact" or self.clf.pad_token_id is None:
+                logits[idx] = score_exact(self.clf, group)
+                forwards += len(group)
+                padded_tokens += sum(map(len, group))
+            else:  # similar lengths together keep padding small; one host copy per step
+                queued.append((idx, padded_logits(self.clf, group)))
+                forwards += 1
+                padded_tokens += max(map(len, group)) * len(group)
+        if queued:
+            import torch
+
+            with torch.inference_mode():
+                host = torch.cat([t for _, t in queued]).float().cpu().numpy()
+            logits[[i for idx, _ in queued for i in idx]] = host
+        return StepResult(logits, forwards, sum(map(len, rows)), padded_tokens, 0)
+
+    def _finish_step(self, picked, rows, done: StepResult, elapsed: float) -> None:
+        c = self.counters
+        c.steps += 1
+        c.forward_passes += done.forwards
+        c.padded_tokens += done.padded_tokens
+        c.computed_tokens += done.computed_tokens
+        c.reused_tokens += done.reused_tokens
+        logits = done.logits
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("step %d: %d rows of %d requests, %d tokens, %d forwards, %d padded tokens, %.1f ms",
-                      self.counters.steps, len(rows), len({id(j) for j, _ in picked}), sum(map(len, rows)),
-                      forwards, padded_tokens, elapsed * 1e3)
+            log.debug("step %d: %d rows of %d requests, %d tokens (%d computed), %d forwards, %d padded tokens, "
+                      "%.1f ms", c.steps, len(rows), len({id(j) for j, _ in picked}), sum(map(len, rows)),
+                      done.computed_tokens, done.forwards, done.padded_tokens, elapsed * 1e3)
         if self.metrics:
             self.metrics.step_seconds.observe(elapsed)
             self.metrics.step_rows.observe(len(rows))
-            self.metrics.forward_tokens.inc(padded_tokens)
+            self.metrics.forward_tokens.inc(done.padded_tokens)
+            self.metrics.computed_tokens.inc(done.computed_tokens)
         with self._cv:
             for k, (job, i) in enumerate(picked):
                 if job.cancelled:
@@ -313,6 +348,29 @@ class Engine:
                 if job.done_rows == len(job.rows):
                     self._retire(job)
                     job.loop.call_soon_threadsafe(_set_result, job.future, job.results)
+
+    def flush_cache(self) -> dict:
+        """POST /flush_cache: drop the cached prefix states (with --prefix-reuse); counted either way."""
+        self.counters.flush_cache_calls += 1
+        cache = self.prefix.cache if self.prefix is not None else None
+        if cache is None:
+            why = ("prefix reuse runs without a cache (--prefix-cache-mb 0)" if self.prefix is not None
+                   else "no prefix cache without --prefix-reuse")
+            return {"flushed": False, "message": f"{why}; nothing to flush",
+                    "flush_cache_calls": self.counters.flush_cache_calls}
+        dropped = cache.clear()
+        log.info("prefix cache flushed: %d states dropped", dropped)
+        return {"flushed": True, "message": f"{dropped} cached prefix states dropped", "states_dropped": dropped,
+                "flush_cache_calls": self.counters.flush_cache_calls}
+
+    def prefix_cache_stat(self, key: str) -> float:
+        cache = self.prefix.cache if self.prefix is not None else None
+        return float(cache.stats()[key]) if cache is not None else 0.0
+
+    def serving_path(self) -> str:
+        """Which forwards answer: prefix-reuse (not bitwise the reference), or exact / padded (bitwise on the
+        GPUs measured, see V100.md)."""
+        return "prefix-reuse" if self.prefix is not None else self.batching
 
     def stop(self) -> None:
         with self._cv:
@@ -328,7 +386,7 @@ class Engine:
             context_length=self.args.context_length,
             schedule_policy="fcfs", requested_schedule_policy=self.args.schedule_policy,
             max_running_requests=self.args.max_running_requests, max_batch_size=self.args.max_batch_size,
-            radix_cache=False, mamba_scheduler_strategy=None, mamba_full_memory_ratio=None,
+            radix_cache=self.prefix is not None and self.prefix.cache is not None, mamba_scheduler_strategy=None, mamba_full_memory_ratio=None,
             attention_backend=f"transformers-{clf.model.config._attn_implementation}" if clf else None,
             batching=self.batching if clf else None,
             scheduler={"kind": "token-budget fair share (fewest tokens served first), rows grouped by length "
@@ -347,8 +405,9 @@ class Engine:
             kernel_path=clf.kernels if clf else None, warmup=getattr(self, "warmup", None),
             bundle_git=git_revision(), pid=os.getpid(), state=self.state, started_at=self.started_at,
             load_seconds=self.load_seconds, flush_cache_calls=self.counters.flush_cache_calls,
-            counters=vars(self.counters).copy(),
-            note="embedded Transformers backend: no prefix cache, no SGLang scheduler",
+            counters=vars(self.counters).copy(), serving_path=self.serving_path() if clf else None,
+            prefix_reuse=self.prefix.stats() if self.prefix is not None else None,
+            note="embedded Transformers backend: no SGLang scheduler; prefix states cached only with --prefix-reuse",
         )
 
     @property

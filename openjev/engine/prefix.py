@@ -1,0 +1,359 @@
+"""Prefix reuse for the embedded backend: rows that share a prefix run it once, and the states after
+prefixes are kept across requests in a bounded LRU cache (opt-in, `--prefix-reuse`).
+
+The state after P tokens is what a Qwen3.5 forward needs to go on from there: per Gated DeltaNet layer
+the short convolution's last inputs and the recurrent state, per full-attention layer the keys and
+values of the P tokens. A continuation runs the unmodified model through Transformers' own cache
+object (DynamicCache of the model's config), 2-D attention mask and per-row position ids. While a
+continuation forward runs, two functions the model calls act row by row (the padded layout, see
+classifier.padded_layout): attention over each row's own keys (causal from the bottom right) and,
+where a row's end state is kept, the chunked gated delta rule, so right padding never runs into a
+state. Arithmetic: the prefix is summed apart from the rest, so logits are close to the exact
+forward's, not bitwise (the agreement goal applies); the default path stays the exact one.
+
+A step: (1) every row looks up the longest cached prefix of itself; (2) rows of the step that share
+at least `min_tokens` tokens beyond that run the shared part once; (3) each row runs from its best
+state to its last token but one, that state is cached, (4) its last token gives the logits. Without a
+cache budget, (3) and (4) are one forward."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import sys
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+log = logging.getLogger("openjev.prefix")
+DEFAULT_MIN_TOKENS = 32
+
+
+@dataclass
+class PrefixState:
+    """The model's state after `length` tokens (tensors on the model's device, batch dimension dropped)."""
+
+    length: int
+    conv: list          # per GDN layer [conv_dim, kernel]
+    recurrent: list     # per GDN layer [heads, k_dim, v_dim]
+    keys: list          # per attention layer [kv_heads, length, head_dim]
+    values: list
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.conv, *self.recurrent, *self.keys, *self.values))
+
+
+def prefix_key(tokens) -> bytes:
+    arr = np.asarray(tokens, dtype=np.int64)
+    return hashlib.blake2b(arr.tobytes(), digest_size=16).digest() + len(arr).to_bytes(4, "little")
+
+
+@dataclass
+class PrefixCache:
+    """Prefix states by their token ids, least recently used evicted first, within `budget_bytes`."""
+
+    budget_bytes: int
+    entries: OrderedDict = field(default_factory=OrderedDict)
+    lengths: dict = field(default_factory=dict)  # length -> entries of that length
+    bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    inserted: int = 0
+    evicted: int = 0
+    tokens_reused: int = 0
+    flushes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def longest(self, row, limit: int):
+        """The cached state of the longest prefix of `row` of at most `limit` tokens, or None."""
+        arr = np.asarray(row, dtype=np.int64)
+        with self._lock:
+            for n in sorted((n for n in self.lengths if n <= limit), reverse=True):
+                key = prefix_key(arr[:n])
+                state = self.entries.get(key)
+                if state is not None:
+                    self.entries.move_to_end(key)
+                    self.hits += 1
+                    self.tokens_reused += n
+                    return state
+            self.misses += 1
+            return None
+
+    def put(self, tokens, state: PrefixState) -> None:
+        size = state.nbytes
+        if size > self.budget_bytes:
+            return
+        key = prefix_key(tokens)
+        with self._lock:
+            if key in self.entries:
+                self.entries.move_to_end(key)
+                return
+            while self.entries and self.bytes + size > self.budget_bytes:
+                self._drop(next(iter(self.entries)))
+                self.evicted += 1
+            self.entries[key] = state
+            self.lengths[state.length] = self.lengths.get(state.length, 0) + 1
+            self.bytes += size
+            self.inserted += 1
+
+    def _drop(self, key) -> None:
+        state = self.entries.pop(key)
+        self.bytes -= state.nbytes
+        self.lengths[state.length] -= 1
+        if not self.lengths[state.length]:
+            del self.lengths[state.length]
+
+    def clear(self) -> int:
+        with self._lock:
+            n = len(self.entries)
+            self.entries.clear()
+            self.lengths.clear()
+            self.bytes = 0
+            self.flushes += 1
+            return n
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"entries": len(self.entries), "bytes": self.bytes, "budget_bytes": self.budget_bytes,
+                    "hits": self.hits, "misses": self.misses, "inserted": self.inserted, "evicted": self.evicted,
+                    "tokens_reused": self.tokens_reused, "flushes": self.flushes}
+
+
+def shared_prefixes(rows: list[list[int]], floors: list[int], limits: list[int], min_tokens: int) -> dict:
+    """Prefixes worth one forward for several rows of a step: row index -> prefix length.
+
+    Rows are sorted by their token ids, so rows sharing a prefix stand together; a row's shared
+    prefix is the longer of its common prefixes with its two neighbours, taken when at least two
+    rows share it, it is `min_tokens` longer than what the row already has (`floors`, its cached
+    prefix) and leaves a token to run (`limits`)."""
+    order = sorted(range(len(rows)), key=lambda i: rows[i])
+    lcp = [0] * max(len(order) - 1, 0)
+    for k in range(len(order) - 1):
+        a, b = rows[order[k]], rows[order[k + 1]]
+        n = min(len(a), len(b))
+        diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+        lcp[k] = int(diff[0]) if diff.size else n
+    chosen: dict[int, int] = {}
+    for k, i in enumerate(order):
+        best = max(lcp[k - 1] if k > 0 else 0, lcp[k] if k < len(lcp) else 0)
+        best = min(best, limits[i])
+        if best - floors[i] >= min_tokens:
+            chosen[i] = best
+    # a prefix only one row chose is no saving: that row runs from what it has
+    by_key: dict[bytes, list[int]] = {}
+    for i, n in chosen.items():
+        by_key.setdefault(prefix_key(rows[i][:n]), []).append(i)
+    return {i: chosen[i] for members in by_key.values() if len(members) > 1 for i in members}
+
+
+class ContinuationForwards:
+    """Forwards of rows that go on from prefix states, through Transformers' cache object."""
+
+    def __init__(self, clf):
+        import torch
+
+        self.clf = clf
+        self.torch = torch
+        text = clf.model.config.get_text_config()
+        self.text = text
+        types = list(text.layer_types)
+        self.linear = [i for i, t in enumerate(types) if t == "linear_attention"]
+        self.attention = [i for i, t in enumerate(types) if t == "full_attention"]
+        if len(self.linear) + len(self.attention) != len(types):
+            raise ValueError(f"layer types {sorted(set(types))}: prefix reuse knows linear_attention and full_attention")
+        self.kernel = int(text.linear_conv_kernel_dim)
+        key_dim = text.linear_num_key_heads * text.linear_key_head_dim
+        self.conv_dim = 2 * key_dim + text.linear_num_value_heads * text.linear_value_head_dim
+        self.rec_shape = (text.linear_num_value_heads, text.linear_key_head_dim, text.linear_value_head_dim)
+        self.kv_heads = text.num_key_value_heads
+        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        install_per_row_gdn(clf.model)
+
+    def run(self, items: list, want_states: bool):
+        """items: (start PrefixState or None, tokens to run). Returns (logits [n, 3] on the device,
+        the state after each row, or None)."""
+        from openjev.engine.classifier import padded_layout
+
+        torch = self.torch
+        dev = self.clf.device
+        starts = [s.length if s is not None else 0 for s, _ in items]
+        lengths = [len(t) for _, t in items]
+        width, offset = max(lengths), max(starts)
+        n = len(items)
+        ids = torch.full((n, width), self.clf.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((n, offset + width), dtype=torch.long)
+        pos = torch.zeros((n, width), dtype=torch.long)
+        for b, (start, tokens) in enumerate(zip(starts, (t for _, t in items))):
+            ids[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            mask[b, offset - start: offset + len(tokens)] = 1
+            pos[b] = torch.arange(start, start + width)
+        cache = self._cache([s for s, _ in items], offset, want_states)
+        with torch.inference_mode(), padded_layout(lengths, starts, offset, per_row_states=want_states):
+            out = self.clf.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
+                                 past_key_values=cache, use_cache=True)
+            states = self._states(cache, starts, lengths, offset) if want_states else None
+        return out.logits, states
+
+    def _cache(self, starts: list, offset: int, record: bool):
+        from transformers import DynamicCache
+
+        torch = self.torch
+        dev, dtype = self.clf.device, self.clf.model.dtype
+        cache = DynamicCache(config=self.text)
+        known = next((s for s in starts if s is not None), None)  # zeros in the dtypes the kernels left
+        conv_zero = torch.zeros((self.conv_dim, self.kernel), dtype=known.conv[0].dtype if known else dtype, device=dev)
+        rec_zero = torch.zeros(self.rec_shape, dtype=known.recurrent[0].dtype if known else torch.float32, device=dev)
+        for k, li in enumerate(self.linear):
+            layer = cache.layers[li]
+            conv = torch.stack([s.conv[k] if s is not None else conv_zero for s in starts])
+            rec = torch.stack([s.recurrent[k] if s is not None else rec_zero for s in starts])
+            layer.conv_states[0], layer.recurrent_states[0] = conv, rec
+            layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = True
+            layer.has_previous_state[0] = True
+            layer.conv_kernel_size[0] = self.kernel
+            layer.device, layer.dtype = conv.device, conv.dtype
+            layer.record_past = record  # keep every conv input, so each row's own last inputs can be cut out
+        if offset:
+            for k, li in enumerate(self.attention):
+                keys, values = [], []
+                for s in starts:
+                    have = s.length if s is not None else 0
+                    shape = (self.kv_heads, offset - have, self.head_dim)
+                    pad = torch.zeros(shape, dtype=dtype, device=dev)
+                    keys.append(torch.cat([pad, s.keys[k]], dim=1) if s is not None else pad)
+                    values.append(torch.cat([pad, s.values[k]], dim=1) if s is not None else pad)
+                layer = cache.layers[li]
+                k_all, v_all = torch.stack(keys), torch.stack(values)
+                layer.lazy_initialization(k_all, v_all)
+                layer.keys, layer.values = k_all, v_all
+        return cache
+
+    def _states(self, cache, starts, lengths, offset) -> list[PrefixState]:
+        states = []
+        for b, (start, n) in enumerate(zip(starts, lengths)):
+            conv = [cache.layers[li].conv_states[0][b, :, n: n + self.kernel].clone() for li in self.linear]
+            rec = [cache.layers[li].recurrent_states[0][b].clone() for li in self.linear]
+            keys = [cache.layers[li].keys[b, :, offset - start: offset + n].clone() for li in self.attention]
+            values = [cache.layers[li].values[b, :, offset - start: offset + n].clone() for li in self.attention]
+            states.append(PrefixState(start + n, conv, rec, keys, values))
+        return states
+
+
+def install_per_row_gdn(model) -> bool:
+    """Wrap the chunked gated delta rule the model's Gated DeltaNet layers call (a module-level name
+    of Transformers' modeling module) so that, while a padded layout asks for per-row states, each
+    row runs alone over its real tokens from its own initial state: the final state is then the
+    row's, not one that ran on into the padding. Otherwise the wrapper passes the call through."""
+    gdn = next((m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")), None)
+    modeling = sys.modules.get(type(gdn).__module__) if gdn is not None else None
+    inner = getattr(modeling, "torch_chunk_gated_delta_rule", None)
+    if inner is None or getattr(inner, "_openjev_per_row", False):
+        return inner is not None
+    from openjev.engine.classifier import current_layout
+
+    @functools.wraps(inner)
+    def chunk_per_row(query, key, value, g, beta, *args, initial_state=None, output_final_state=False, **kwargs):
+        layout = current_layout()
+        if layout is None or not layout.per_row_states or query.shape[0] != len(layout.lengths):
+            return inner(query, key, value, g, beta, *args, initial_state=initial_state,
+                         output_final_state=output_final_state, **kwargs)
+        outs, finals = None, []
+        for b, n in enumerate(layout.lengths):
+            o, s = inner(query[b:b + 1, :n], key[b:b + 1, :n], value[b:b + 1, :n], g[b:b + 1, :n], beta[b:b + 1, :n],
+                         *args, initial_state=None if initial_state is None else initial_state[b:b + 1],
+                         output_final_state=True, **kwargs)
+            if outs is None:
+                outs = o.new_zeros((query.shape[0], query.shape[1]) + tuple(o.shape[2:]))
+            outs[b:b + 1, :n] = o
+            finals.append(s)
+        import torch
+
+        return outs, torch.cat(finals)
+
+    chunk_per_row._openjev_per_row = True
+    modeling.torch_chunk_gated_delta_rule = chunk_per_row
+    return True
+
+
+class PrefixEngine:
+    """One scheduling step with shared prefixes and the cross-request prefix cache."""
+
+    def __init__(self, clf, budget_bytes: int, min_tokens: int = DEFAULT_MIN_TOKENS):
+        self.forwards = ContinuationForwards(clf)
+        self.clf = clf
+        self.cache = PrefixCache(budget_bytes) if budget_bytes > 0 else None
+        self.min_tokens = min_tokens
+
+    def flush(self) -> int:
+        return self.cache.clear() if self.cache is not None else 0
+
+    def stats(self) -> dict:
+        return {"min_shared_tokens": self.min_tokens, "cache": self.cache.stats() if self.cache is not None else None}
+
+    def run_step(self, rows: list[list[int]], max_rows: int) -> StepResult:
+        from openjev.engine.scheduler import StepResult, length_groups
+
+        n = len(rows)
+        # a state leaves at least the last token to run; a row ending in the pad id runs whole, so that
+        # Transformers pools the same token as for the exact forward (its rightmost non-pad token)
+        pad = self.clf.pad_token_id
+        limits = [len(r) - 1 if r[-1] != pad else 0 for r in rows]
+        best = [self.cache.longest(r, limit) if self.cache is not None and limit > 0 else None
+                for r, limit in zip(rows, limits)]
+        floors = [s.length if s is not None else 0 for s in best]
+        stats = {"forwards": 0, "computed": 0, "padded": 0}
+
+        def forward(items, want_states):
+            logits_all, states_all = [None] * len(items), [None] * len(items)
+            for idx in length_groups([len(t) for _, t in items], max_rows):
+                group = [items[i] for i in idx]
+                logits, states = self.forwards.run(group, want_states)
+                stats["forwards"] += 1
+                stats["computed"] += sum(len(t) for _, t in group)
+                stats["padded"] += max(len(t) for _, t in group) * len(group)
+                for k, i in enumerate(idx):
+                    logits_all[i] = logits[k]
+                    if states is not None:
+                        states_all[i] = states[k]
+            return logits_all, states_all
+
+        # shared prefixes of this step, each run once from the longest cached state of it
+        shared = shared_prefixes(rows, floors, limits, self.min_tokens)
+        prefixes: dict[bytes, tuple[int, int]] = {}  # key -> (a row holding it, its length)
+        for i, length in shared.items():
+            prefixes.setdefault(prefix_key(rows[i][:length]), (i, length))
+        if prefixes:
+            plan = list(prefixes.values())
+            items = []
+            for i, length in plan:
+                start = best[i] if best[i] is not None and best[i].length <= length else None
+                s0 = start.length if start is not None else 0
+                items.append((start, rows[i][s0:length]))
+            _, states = forward(items, True)
+            made = {key: st for key, st in zip(prefixes, states)}
+            for (i, length), st in zip(plan, states):
+                if self.cache is not None:
+                    self.cache.put(rows[i][:length], st)
+            for i, length in shared.items():
+                best[i] = made[prefix_key(rows[i][:length])]
+        if self.cache is None:
+            items = [(best[i], rows[i][(best[i].length if best[i] is not None else 0):]) for i in range(n)]
+            out, _ = forward(items, False)
+        else:
+            body = [i for i in range(n) if (best[i].length if best[i] is not None else 0) < limits[i]]
+            if body:
+                items = [(best[i], rows[i][(best[i].length if best[i] is not None else 0): limits[i]]) for i in body]
+                _, states = forward(items, True)
+                for i, st in zip(body, states):
+                    self.cache.put(rows[i][:limits[i]], st)
+                    best[i] = st
+            out, _ = forward([(best[i], rows[i][limits[i]:]) for i in range(n)], False)
+        torch = self.forwards.torch
+        with torch.inference_mode():
+            logits = torch.stack(out).float().cpu().numpy().astype(np.float32, copy=False)
+        return StepResult(logits, stats["forwards"], stats["computed"], stats["padded"],
+                          max(0, sum(map(len, rows)) - stats["computed"]))

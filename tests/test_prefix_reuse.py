@@ -1,0 +1,163 @@
+"""Prefix reuse in the embedded backend (openjev/engine/prefix.py): the cache's bookkeeping, the
+shared-prefix plan, continuation logits against the exact forward on the tiny model, and a real
+server with --prefix-reuse (/classify, /server_info, /flush_cache, /metrics)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import requests
+from conftest import start_server
+
+from openjev.engine.prefix import PrefixCache, PrefixState, shared_prefixes
+
+TOL = 1e-5  # float32 on a CPU: the prefix is summed apart from the rest, the last bits may differ
+
+
+def _state(length: int, nbytes: int):
+    import torch
+
+    return PrefixState(length, [torch.zeros(nbytes // 4, dtype=torch.float32)], [], [], [])
+
+
+def test_cache_finds_the_longest_cached_prefix_and_counts():
+    cache = PrefixCache(budget_bytes=10_000)
+    row = list(range(100, 140))
+    cache.put(row[:10], _state(10, 400))
+    cache.put(row[:25], _state(25, 400))
+    cache.put([7] * 30, _state(30, 400))
+    assert cache.longest(row, limit=39).length == 25
+    assert cache.longest(row, limit=24).length == 10
+    assert cache.longest([1, 2, 3], limit=2) is None
+    s = cache.stats()
+    assert (s["hits"], s["misses"], s["entries"], s["bytes"], s["tokens_reused"]) == (2, 1, 3, 1200, 35)
+
+
+def test_cache_evicts_least_recently_used_within_its_budget_and_clears():
+    cache = PrefixCache(budget_bytes=1000)
+    a, b, c = [1] * 5, [2] * 5, [3] * 5
+    cache.put(a, _state(5, 400))
+    cache.put(b, _state(5, 400))
+    assert cache.longest(a + [9], 5) is not None  # a is now the most recent
+    cache.put(c, _state(5, 400))                   # over budget: b goes
+    assert cache.longest(b + [9], 5) is None and cache.longest(c + [9], 5) is not None
+    cache.put([4] * 5, _state(5, 4000))            # larger than the whole budget: not kept
+    s = cache.stats()
+    assert (s["entries"], s["bytes"], s["evicted"]) == (2, 800, 1)
+    assert cache.clear() == 2 and cache.stats()["bytes"] == 0 and not cache.lengths
+
+
+def test_shared_prefixes_groups_rows_by_their_longest_shared_prefix():
+    rng = random.Random(1)
+    head = [rng.randrange(50) for _ in range(5)]          # shared by all rows, too short to matter
+    p1, p2 = head + [rng.randrange(50) for _ in range(60)], head + [rng.randrange(50) for _ in range(80)]
+    rows = [p1 + [1, 2], p2 + [3], p1 + [4, 5, 6], p2 + [7, 8], head + [9] * 70]
+    n = len(rows)
+    got = shared_prefixes(rows, [0] * n, [len(r) - 1 for r in rows], min_tokens=32)
+    assert got == {0: len(p1), 2: len(p1), 1: len(p2), 3: len(p2)}
+    # what a row already has from the cache counts: no gain of min_tokens, no shared forward
+    assert shared_prefixes(rows, [len(p1), 0, len(p1) - 10, 0, 0], [len(r) - 1 for r in rows], 32) == {1: 85, 3: 85}
+
+
+def _rows(vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+
+    def toks(n):
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    rows = []
+    for _ in range(4):
+        premise = toks(rng.randrange(40, 160))
+        rows += [premise + toks(rng.randrange(2, 20)) for _ in range(3)]
+    return rows + [toks(rng.randrange(10, 120)) for _ in range(3)] + [toks(1)]
+
+
+@pytest.fixture(scope="module")
+def clf(tiny_model):
+    from openjev.engine.classifier import load_classifier
+
+    return load_classifier(tiny_model["checkpoint"], "cpu", "float32")
+
+
+@pytest.mark.parametrize("budget_mb", [0, 64])
+def test_prefix_path_matches_the_exact_forward_cold_and_warm(clf, budget_mb):
+    from openjev.engine.classifier import score_exact
+    from openjev.engine.prefix import PrefixEngine
+
+    rows = _rows(clf.vocab_size)
+    ref = score_exact(clf, rows)
+    engine = PrefixEngine(clf, budget_mb << 20, min_tokens=16)
+    cold = engine.run_step(rows, max_rows=8)
+    assert np.abs(cold.logits - ref).max() <= TOL
+    total = sum(map(len, rows))
+    assert cold.computed_tokens < total and cold.reused_tokens == total - cold.computed_tokens
+    warm = engine.run_step(rows, max_rows=8)
+    assert np.abs(warm.logits - ref).max() <= TOL
+    if budget_mb:  # every row but the last token comes from its cached state
+        assert warm.computed_tokens == len(rows) and engine.stats()["cache"]["hits"] >= len(rows) - 1
+    else:
+        assert warm.computed_tokens == cold.computed_tokens and engine.stats()["cache"] is None
+
+
+def test_prefix_path_under_a_small_budget_and_rows_ending_in_the_pad_id(clf):
+    """Evictions leave the answers unchanged; a row ending in the pad id runs whole, so the pooled token
+    is the exact forward's (its rightmost non-pad token)."""
+    from openjev.engine.classifier import score_exact
+    from openjev.engine.prefix import PrefixEngine
+
+    rows = _rows(clf.vocab_size, seed=3)
+    rows[1] = rows[1] + [clf.pad_token_id]
+    ref = score_exact(clf, rows)
+    engine = PrefixEngine(clf, budget_bytes=300_000, min_tokens=16)
+    for _ in range(3):
+        assert np.abs(engine.run_step(rows, max_rows=4).logits - ref).max() <= TOL
+    s = engine.stats()["cache"]
+    assert s["evicted"] > 0 and s["bytes"] <= 300_000
+
+
+def test_server_with_prefix_reuse(overlay, tmp_path):
+    from openjev.engine.classifier import load_classifier, score_exact
+
+    clf = load_classifier(overlay, "cpu", "float32")
+    rows = _rows(clf.vocab_size, seed=5)
+    ref = score_exact(clf, rows)
+    srv = start_server(overlay, tmp_path / "log", "--prefix-reuse", "--prefix-cache-mb", "16",
+                       "--prefix-min-tokens", "16")
+    try:
+        def classify():
+            r = requests.post(srv.url + "/classify", json={"input_ids": rows}, timeout=60)
+            assert r.status_code == 200, r.text
+            return np.asarray(r.json()["logits"], dtype=np.float32)
+
+        first = classify()
+        info = requests.get(srv.url + "/server_info", timeout=10).json()
+        assert info["serving_path"] == "prefix-reuse" and info["radix_cache"] is True
+        cache = info["prefix_reuse"]["cache"]
+        assert cache["entries"] > 0 and cache["budget_bytes"] == 16 << 20
+        c1 = info["counters"]
+        assert c1["computed_tokens"] < c1["tokens"]
+        second = classify()
+        c2 = requests.get(srv.url + "/server_info", timeout=10).json()["counters"]
+        assert c2["computed_tokens"] - c1["computed_tokens"] == len(rows)  # only last tokens ran
+        for got in (first, second):
+            assert np.abs(got - ref).max() <= TOL
+        metrics = requests.get(srv.url + "/metrics", timeout=10).text
+        assert "openjev_prefix_cache_hits" in metrics and "openjev_computed_tokens_total" in metrics
+        flushed = requests.post(srv.url + "/flush_cache", timeout=10).json()
+        assert flushed["flushed"] is True and flushed["states_dropped"] == cache["entries"]
+        assert requests.get(srv.url + "/server_info", timeout=10).json()["prefix_reuse"]["cache"]["entries"] == 0
+    finally:
+        srv.stop()
+
+
+def test_compute_bound_counts_the_tokens_the_forwards_ran():
+    from compute_bound import computed_share
+
+    def snap(tokens, computed):
+        return {"counters": {"tokens": tokens, "computed_tokens": computed}}
+
+    assert computed_share({"info_before": snap(100, 100), "info_after": snap(1100, 350)}) == 0.25
+    assert computed_share({"info_before": {"counters": {"tokens": 0}}, "info_after": snap(10, 10)}) is None  # SGLang
+    assert computed_share({"info_before": snap(5, 5), "info_after": snap(5, 5)}) is None
