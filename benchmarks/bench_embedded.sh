@@ -13,7 +13,8 @@
 #
 # Environment: PYTHON (default .venv/bin/python, else python3), DEVICE, BATCHING (default auto),
 # MAX_RUNNING_REQUESTS (default 32), EXCLUSIVE_GPU (physical GPU index: adds --exclusive-gpu with
-# the server's PID), MACHINE_LABEL (--machine-label of the receipt), EXTRA_BENCH_ARGS.
+# the server's PID), MACHINE_LABEL (--machine-label of the receipt), EXTRA_BENCH_ARGS, EXTRA_SERVER_ARGS
+# (e.g. --prefix-reuse), NAME_SUFFIX (appended to the receipt's name).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,7 +27,7 @@ PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3
 DEVICE=${DEVICE:-$("$PY" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')}
 DTYPE=$([ "$DEVICE" = cpu ] && echo float32 || echo float16)
 VOCAB=512   # the tiny tokenizer's vocabulary; ids below it are valid in both shapes
-NAME="embedded_${SHAPE}_${DEVICE%%:*}"
+NAME="embedded_${SHAPE}_${DEVICE%%:*}${NAME_SUFFIX:-}"
 mkdir -p "$WORK" "$OUTDIR"
 [ -e "$OUTDIR/$NAME.json" ] && { echo "bench_embedded.sh: error: $OUTDIR/$NAME.json exists" >&2; exit 1; }
 
@@ -43,8 +44,9 @@ REF="$WORK/ref-$SHAPE-${DEVICE%%:*}-$(basename "$SET")"
 cp -r "$REF" "$OUTDIR/$NAME.reference"   # reference.json + reference.npy + tokens.sha256
 
 PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+# shellcheck disable=SC2086 # EXTRA_SERVER_ARGS is a word list
 "$PY" app/serve_transformers.py "$WORK/model-$SHAPE" "$PORT" --device "$DEVICE" --batching "${BATCHING:-auto}" \
-  --max-running-requests "${MAX_RUNNING_REQUESTS:-32}" >"$OUTDIR/$NAME.server.log" 2>&1 &
+  --max-running-requests "${MAX_RUNNING_REQUESTS:-32}" ${EXTRA_SERVER_ARGS:-} >"$OUTDIR/$NAME.server.log" 2>&1 &
 SERVER=$!
 trap 'kill "$SERVER" 2>/dev/null; wait "$SERVER" 2>/dev/null || true' EXIT
 for _ in $(seq 1 600); do

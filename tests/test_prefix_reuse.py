@@ -161,3 +161,54 @@ def test_compute_bound_counts_the_tokens_the_forwards_ran():
     assert computed_share({"info_before": snap(100, 100), "info_after": snap(1100, 350)}) == 0.25
     assert computed_share({"info_before": {"counters": {"tokens": 0}}, "info_after": snap(10, 10)}) is None  # SGLang
     assert computed_share({"info_before": snap(5, 5), "info_after": snap(5, 5)}) is None
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_per_row_chunk_gives_each_padded_row_its_own_final_state(packed):
+    """Both forms of the wrapper (one call per row, and fla's varlen form with cu_seqlens, here served
+    by a float64 recurrence that honours cu_seqlens as fla does) against each row run alone."""
+    import torch
+
+    from openjev.engine.classifier import padded_layout
+    from openjev.engine.prefix import per_row_chunk
+
+    def recurrence(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None, **_):
+        bounds = cu_seqlens.tolist() if cu_seqlens is not None else None
+        seqs = ([(b, 0, q.shape[1]) for b in range(q.shape[0])] if bounds is None
+                else [(i, bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)])
+        out, finals = torch.zeros(q.shape[:3] + (v.shape[-1],), dtype=torch.float64), []
+        for i, a, e in seqs:
+            b = 0 if bounds is not None else i
+            qs, ks, vs, gs, bs = (x[b:b + 1, a:e] for x in (q, k, v, g, beta))
+            state = initial_state[i:i + 1].double() if initial_state is not None else None
+            o, s = _with_state(qs, ks, vs, gs, bs, state)
+            out[b:b + 1, a:e] = o
+            finals.append(s)
+        return out, torch.cat(finals)
+
+    def _with_state(q, k, v, g, beta, state):
+        # the gated delta rule in float64, q and k L2-normalised, from a given state
+        qn = q.double() / q.double().norm(dim=-1, keepdim=True).clamp_min(1e-6) * q.shape[-1] ** -0.5
+        kn = k.double() / k.double().norm(dim=-1, keepdim=True).clamp_min(1e-6)
+        h = state if state is not None else torch.zeros(1, k.shape[2], k.shape[3], v.shape[3], dtype=torch.float64)
+        out = torch.zeros(1, q.shape[1], q.shape[2], v.shape[3], dtype=torch.float64)
+        for t in range(q.shape[1]):
+            h = h * g[:, t].double().exp()[..., None, None]
+            delta = (v[:, t].double() - torch.einsum("bhk,bhkv->bhv", kn[:, t], h)) * beta[:, t].double()[..., None]
+            h = h + torch.einsum("bhk,bhv->bhkv", kn[:, t], delta)
+            out[:, t] = torch.einsum("bhk,bhkv->bhv", qn[:, t], h)
+        return out, h
+
+    gen = torch.Generator().manual_seed(0)
+    lengths, width, heads, dk, dv = [5, 9, 2], 9, 2, 4, 3
+    q, k = (torch.randn(3, width, heads, dk, generator=gen) for _ in range(2))
+    v = torch.randn(3, width, heads, dv, generator=gen)
+    g, beta = -torch.rand(3, width, heads, generator=gen), torch.rand(3, width, heads, generator=gen)
+    init = torch.randn(3, heads, dk, dv, generator=gen, dtype=torch.float64)
+    wrapped = per_row_chunk(recurrence, packed=packed)
+    with padded_layout(lengths, per_row_states=True):
+        out, finals = wrapped(q, k, v, g, beta, initial_state=init, output_final_state=True)
+    for b, n in enumerate(lengths):
+        o, s = _with_state(q[b:b + 1, :n], k[b:b + 1, :n], v[b:b + 1, :n], g[b:b + 1, :n], beta[b:b + 1, :n], init[b:b + 1])
+        assert torch.allclose(out[b, :n], o[0]) and torch.allclose(finals[b], s[0])
+        assert not out[b, n:].any()

@@ -253,14 +253,25 @@ def install_per_row_gdn(model) -> bool:
     inner = getattr(modeling, "torch_chunk_gated_delta_rule", None)
     if inner is None or getattr(inner, "_openjev_per_row", False):
         return inner is not None
+    from openjev.engine.kernels import _bound
+
+    impl = _bound(inner)
+    modeling.torch_chunk_gated_delta_rule = per_row_chunk(
+        inner, packed=bool(impl is not None and getattr(impl, "__module__", "").startswith("fla.")))
+    return True
+
+
+def per_row_chunk(inner, packed: bool):
+    """`inner` (the chunked gated delta rule) made to give each row of a right-padded batch its own
+    final state while the padded layout asks for it: fla's varlen form where `packed` (one call, the
+    rows' real tokens packed with cu_seqlens), else one call per row."""
     from openjev.engine.classifier import current_layout
 
-    @functools.wraps(inner)
-    def chunk_per_row(query, key, value, g, beta, *args, initial_state=None, output_final_state=False, **kwargs):
-        layout = current_layout()
-        if layout is None or not layout.per_row_states or query.shape[0] != len(layout.lengths):
-            return inner(query, key, value, g, beta, *args, initial_state=initial_state,
-                         output_final_state=output_final_state, **kwargs)
+    packed = {"ok": packed}
+
+    def rows_alone(layout, query, key, value, g, beta, args, initial_state, kwargs):
+        import torch
+
         outs, finals = None, []
         for b, n in enumerate(layout.lengths):
             o, s = inner(query[b:b + 1, :n], key[b:b + 1, :n], value[b:b + 1, :n], g[b:b + 1, :n], beta[b:b + 1, :n],
@@ -270,13 +281,45 @@ def install_per_row_gdn(model) -> bool:
                 outs = o.new_zeros((query.shape[0], query.shape[1]) + tuple(o.shape[2:]))
             outs[b:b + 1, :n] = o
             finals.append(s)
-        import torch
-
         return outs, torch.cat(finals)
 
+    def rows_packed(layout, query, key, value, g, beta, args, initial_state, kwargs):
+        """fla's varlen form: the rows' real tokens packed into one sequence with cu_seqlens, each
+        row from its own initial state to its own final state, in one call."""
+        import torch
+
+        lengths = torch.tensor(layout.lengths, device=query.device)
+        keep = (torch.arange(query.shape[1], device=query.device)[None, :] < lengths[:, None]).flatten()
+        flat = keep.nonzero().squeeze(1)
+
+        def pack(x):
+            return x.reshape(-1, *x.shape[2:]).index_select(0, flat).unsqueeze(0)
+
+        cu = torch.zeros(len(layout.lengths) + 1, dtype=torch.long, device=query.device)
+        cu[1:] = torch.cumsum(lengths, 0)
+        kwargs = {**kwargs, "cu_seqlens": cu}
+        o, finals = inner(pack(query), pack(key), pack(value), pack(g), pack(beta), *args,
+                          initial_state=initial_state, output_final_state=True, **kwargs)
+        outs = o.new_zeros((query.shape[0] * query.shape[1],) + tuple(o.shape[2:]))
+        outs.index_copy_(0, flat, o[0])
+        return outs.reshape(query.shape[0], query.shape[1], *o.shape[2:]), finals
+
+    @functools.wraps(inner)
+    def chunk_per_row(query, key, value, g, beta, *args, initial_state=None, output_final_state=False, **kwargs):
+        layout = current_layout()
+        if layout is None or not layout.per_row_states or query.shape[0] != len(layout.lengths):
+            return inner(query, key, value, g, beta, *args, initial_state=initial_state,
+                         output_final_state=output_final_state, **kwargs)
+        if packed["ok"]:
+            try:
+                return rows_packed(layout, query, key, value, g, beta, args, initial_state, kwargs)
+            except Exception as exc:  # noqa: BLE001 - the per-row calls give the same states, more slowly
+                packed["ok"] = False
+                log.warning("packed gated delta rule failed (%s: %s); rows run one by one", type(exc).__name__, exc)
+        return rows_alone(layout, query, key, value, g, beta, args, initial_state, kwargs)
+
     chunk_per_row._openjev_per_row = True
-    modeling.torch_chunk_gated_delta_rule = chunk_per_row
-    return True
+    return chunk_per_row
 
 
 class PrefixEngine:
