@@ -250,6 +250,8 @@ def rowwise_attention() -> str:
                 row, _ = inner(module, query[j:j + 1, :, :n], key[j:j + 1, :, :n], value[j:j + 1, :, :n], None, **kwargs)
                 out[j:j + 1, :n] = row
             return out, None
+        if query.shape[2] == 1:  # one new token a row: one call, the left-padded prefix keys masked out
+            return inner(module, query, key, value, attention_mask, **kwargs)
         out = query.new_zeros((query.shape[0], query.shape[2], query.shape[1], value.shape[-1]))
         off = layout.offset
         for j, (n, p) in enumerate(zip(layout.lengths, layout.starts)):

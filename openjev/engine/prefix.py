@@ -30,6 +30,9 @@ import numpy as np
 
 log = logging.getLogger("openjev.prefix")
 DEFAULT_MIN_TOKENS = 32
+# Rows a forward of last tokens may hold: one token each, so a forward costs its launches, not its
+# rows (the cached keys are copied per forward, about 32 KB a token at Qwen3.5-4B's shape).
+LAST_TOKEN_ROWS = 64
 
 
 @dataclass
@@ -350,9 +353,9 @@ class PrefixEngine:
         floors = [s.length if s is not None else 0 for s in best]
         stats = {"forwards": 0, "computed": 0, "padded": 0}
 
-        def forward(items, want_states):
+        def forward(items, want_states, rows_cap=max_rows):
             logits_all, states_all = [None] * len(items), [None] * len(items)
-            for idx in length_groups([len(t) for _, t in items], max_rows):
+            for idx in length_groups([len(t) for _, t in items], rows_cap):
                 group = [items[i] for i in idx]
                 logits, states = self.forwards.run(group, want_states)
                 stats["forwards"] += 1
@@ -394,7 +397,7 @@ class PrefixEngine:
                 for i, st in zip(body, states):
                     self.cache.put(rows[i][:limits[i]], st)
                     best[i] = st
-            out, _ = forward([(best[i], rows[i][limits[i]:]) for i in range(n)], False)
+            out, _ = forward([(best[i], rows[i][limits[i]:]) for i in range(n)], False, max(max_rows, LAST_TOKEN_ROWS))
         torch = self.forwards.torch
         with torch.inference_mode():
             logits = torch.stack(out).float().cpu().numpy().astype(np.float32, copy=False)
