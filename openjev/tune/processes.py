@@ -269,6 +269,20 @@ def stop_watchdog(wd: tuple[subprocess.Popen, int] | None) -> None:
         proc.kill()
 
 
+def _signal_run(run_id: str, sig: int, wait: float) -> list[dict]:
+    """Send sig to every process of the run, then wait up to `wait` s for them to end; the processes signalled."""
+    procs = run_processes(run_id)
+    for p in procs:
+        try:
+            os.kill(p["pid"], sig)
+        except OSError:
+            pass
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and run_processes(run_id):
+        time.sleep(0.1)
+    return procs
+
+
 def watchdog_main(argv: Sequence[str]) -> int:
     """Layer 3: wait for the tuner's end; after an abnormal one, end every process of the run and record it."""
     out, run_id, tuner_pid, pidfile = Path(argv[0]), argv[1], int(argv[2]), Path(argv[3])
@@ -280,24 +294,8 @@ def watchdog_main(argv: Sequence[str]) -> int:
     if data == b"done":
         return 0
     t0 = utc_now()
-    procs = run_processes(run_id)
-    for p in procs:
-        try:
-            os.kill(p["pid"], signal.SIGTERM)
-        except OSError:
-            pass
-    deadline = time.monotonic() + WATCHDOG_GRACE
-    while time.monotonic() < deadline and run_processes(run_id):
-        time.sleep(0.1)
-    killed = run_processes(run_id)
-    for p in killed:
-        try:
-            os.kill(p["pid"], signal.SIGKILL)
-        except OSError:
-            pass
-    end = time.monotonic() + 5
-    while time.monotonic() < end and run_processes(run_id):
-        time.sleep(0.1)
+    procs = _signal_run(run_id, signal.SIGTERM, WATCHDOG_GRACE)
+    killed = _signal_run(run_id, signal.SIGKILL, 5)
     left = run_processes(run_id)
     try:
         run = json.loads((out / "run.json").read_text())
