@@ -305,6 +305,15 @@ def kernel_cache_keys() -> list:
 # --------------------------------------------------------------------------------------------
 # Python entry points
 # --------------------------------------------------------------------------------------------
+def _require_contiguous(dtype: torch.dtype, **tensors: torch.Tensor) -> None:
+    """Each tensor, by name, is contiguous and of dtype."""
+    for name, t in tensors.items():
+        if t.dtype != dtype:
+            raise ValueError(f"{name} must be {str(dtype).removeprefix('torch.')}, got {t.dtype}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+
+
 def validate_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens) -> None:
     """Shape/dtype/device checks that need no device synchronisation."""
     if q.dim() != 3:
@@ -320,11 +329,7 @@ def validate_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens) -> 
         raise ValueError(f"head dim of q ({dim}) and of the cache ({kdim}) differ")
     if heads % heads_kv:
         raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({heads_kv})")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != torch.float16:
-            raise ValueError(f"{name} must be float16, got {t.dtype}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
+    _require_contiguous(torch.float16, q=q, k_cache=k_cache, v_cache=v_cache)
     if block_table.dim() != 2:
         raise ValueError(f"block_table must be [batch, width], got shape {tuple(block_table.shape)}")
     batch = block_table.shape[0]
@@ -332,11 +337,7 @@ def validate_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens) -> 
         raise ValueError(f"cu_seqlens_q must have batch+1 = {batch + 1} entries, got {tuple(cu_seqlens_q.shape)}")
     if tuple(kv_lens.shape) != (batch,):
         raise ValueError(f"kv_lens must have batch = {batch} entries, got {tuple(kv_lens.shape)}")
-    for name, t in (("block_table", block_table), ("cu_seqlens_q", cu_seqlens_q), ("kv_lens", kv_lens)):
-        if t.dtype != torch.int32:
-            raise ValueError(f"{name} must be int32, got {t.dtype}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
+    _require_contiguous(torch.int32, block_table=block_table, cu_seqlens_q=cu_seqlens_q, kv_lens=kv_lens)
     devices = {t.device for t in (q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens)}
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
