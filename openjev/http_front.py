@@ -246,38 +246,38 @@ def create_app(engine: Engine) -> FastAPI:
     app.add_api_route("/classify", classify_route("/classify", False), methods=["POST", "PUT"])
     app.add_api_route("/v1/classify", classify_route("/v1/classify", True), methods=["POST"])
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
+    async def json_answer(request: Request, work) -> Response:
+        """work(body) off the event loop once the server is ready and the JSON body is read; a contract
+        error answers as such."""
         try:
             require_ready()
             body = await body_json(request)
-
-            def work():
-                prompt, add_special, want_strs = contract.parse_tokenize(body, engine.limits(), engine.model_name)
-                tok = engine.clf.tokenizer
-                if tok is None:
-                    raise contract.ContractError(400, "this server has no tokenizer")
-                ids = contract.tokenize_texts([prompt], engine.tokenize(), add_special)[0] if prompt else []
-                strs = tok.convert_ids_to_tokens(ids) if want_strs else None
-                return contract.tokenize_response(ids, engine.args.context_length, strs)
-            return JSONResponse(await off_loop(work))
+            return JSONResponse(await off_loop(work, body))
         except contract.ContractError as exc:
             return error(exc)
+
+    def tokenize_work(body) -> dict:
+        prompt, add_special, want_strs = contract.parse_tokenize(body, engine.limits(), engine.model_name)
+        tok = engine.clf.tokenizer
+        if tok is None:
+            raise contract.ContractError(400, "this server has no tokenizer")
+        ids = contract.tokenize_texts([prompt], engine.tokenize(), add_special)[0] if prompt else []
+        strs = tok.convert_ids_to_tokens(ids) if want_strs else None
+        return contract.tokenize_response(ids, engine.args.context_length, strs)
+
+    def detokenize_work(body) -> dict:
+        ids = contract.parse_detokenize(body, engine.limits(), engine.model_name)
+        if engine.clf.tokenizer is None:
+            raise contract.ContractError(400, "this server has no tokenizer")
+        return {"prompt": engine.clf.tokenizer.decode(ids)}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await json_answer(request, tokenize_work)
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        try:
-            require_ready()
-            body = await body_json(request)
-
-            def work():
-                ids = contract.parse_detokenize(body, engine.limits(), engine.model_name)
-                if engine.clf.tokenizer is None:
-                    raise contract.ContractError(400, "this server has no tokenizer")
-                return {"prompt": engine.clf.tokenizer.decode(ids)}
-            return JSONResponse(await off_loop(work))
-        except contract.ContractError as exc:
-            return error(exc)
+        return await json_answer(request, detokenize_work)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
