@@ -42,6 +42,19 @@ def copy_checkpoint(tiny_model, tmp_path: Path, edit=None) -> Path:
     return ckpt
 
 
+def prepare_args(tiny_model, ckpt: Path, out: Path) -> tuple:
+    """The script and its arguments: an overlay of ckpt at out, with the tiny model's processor, unpinned."""
+    return ("prepare_v100_model.py", ckpt, out, "--processor-dir", tiny_model["processor"], "--allow-unpinned")
+
+
+def prepared_copy(tiny_model, tmp_path: Path) -> tuple[Path, Path, tuple]:
+    """A copy of the tiny checkpoint with an overlay built from it: (checkpoint, overlay, the arguments)."""
+    ckpt, out = copy_checkpoint(tiny_model, tmp_path), tmp_path / "model"
+    args = prepare_args(tiny_model, ckpt, out)
+    run_script(*args, check=True)
+    return ckpt, out, args
+
+
 def assert_refused(proc, out: Path, *words):
     assert proc.returncode != 0
     lines = error_lines(proc.stderr)
@@ -74,8 +87,7 @@ def test_overlay_links_every_entry_and_leaves_checkpoint_untouched(tiny_model, t
 
 def test_rerun_is_idempotent(tiny_model, tmp_path):
     out = tmp_path / "model"
-    args = ("prepare_v100_model.py", tiny_model["checkpoint"], out, "--processor-dir", tiny_model["processor"],
-            "--allow-unpinned")
+    args = prepare_args(tiny_model, tiny_model["checkpoint"], out)
     run_script(*args, check=True)
     before = tree_digest(out)
     mtime = (out / ".openjev_overlay.json").stat().st_mtime_ns
@@ -87,10 +99,7 @@ def test_rerun_is_idempotent(tiny_model, tmp_path):
 
 
 def test_rerun_after_checkpoint_gains_a_file_rebuilds_atomically(tiny_model, tmp_path):
-    ckpt = copy_checkpoint(tiny_model, tmp_path)
-    out = tmp_path / "model"
-    args = ("prepare_v100_model.py", ckpt, out, "--processor-dir", tiny_model["processor"], "--allow-unpinned")
-    run_script(*args, check=True)
+    ckpt, out, args = prepared_copy(tiny_model, tmp_path)
     (ckpt / "generation_config.json").write_text("{}")
     proc = run_script(*args)
     assert proc.returncode == 0, proc.stderr
@@ -110,8 +119,7 @@ def test_refuses_a_checkpoint_that_is_not_openjev(tiny_model, tmp_path, edit, wo
     ckpt = copy_checkpoint(tiny_model, tmp_path, edit)
     before = tree_digest(ckpt)
     out = tmp_path / "model"
-    proc = run_script("prepare_v100_model.py", ckpt, out, "--processor-dir", tiny_model["processor"],
-                      "--allow-unpinned")
+    proc = run_script(*prepare_args(tiny_model, ckpt, out))
     assert_refused(proc, out, "not an OpenJEV classifier", *words)
     assert tree_digest(ckpt) == before
 
@@ -147,8 +155,7 @@ def test_refuses_an_existing_out_it_did_not_make(tiny_model, tmp_path):
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
     before = tree_digest(out)
-    proc = run_script("prepare_v100_model.py", tiny_model["checkpoint"], out, "--processor-dir",
-                      tiny_model["processor"], "--allow-unpinned")
+    proc = run_script(*prepare_args(tiny_model, tiny_model["checkpoint"], out))
     assert proc.returncode != 0
     assert len(error_lines(proc.stderr)) == 1 and "not an overlay" in proc.stderr
     assert tree_digest(out) == before
@@ -157,12 +164,10 @@ def test_refuses_an_existing_out_it_did_not_make(tiny_model, tmp_path):
 def test_refuses_an_overlay_of_another_checkpoint_unless_replace(tiny_model, tmp_path):
     other = copy_checkpoint(tiny_model, tmp_path)
     out = tmp_path / "model"
-    run_script("prepare_v100_model.py", tiny_model["checkpoint"], out, "--processor-dir", tiny_model["processor"],
-               "--allow-unpinned", check=True)
-    proc = run_script("prepare_v100_model.py", other, out, "--processor-dir", tiny_model["processor"], "--allow-unpinned")
+    run_script(*prepare_args(tiny_model, tiny_model["checkpoint"], out), check=True)
+    proc = run_script(*prepare_args(tiny_model, other, out))
     assert proc.returncode != 0 and "--replace" in error_lines(proc.stderr)[0]
-    proc = run_script("prepare_v100_model.py", other, out, "--processor-dir", tiny_model["processor"],
-                      "--allow-unpinned", "--replace")
+    proc = run_script(*prepare_args(tiny_model, other, out), "--replace")
     assert proc.returncode == 0, proc.stderr
     assert (out / "config.json").resolve() == (other / "config.json").resolve()
 
@@ -344,8 +349,7 @@ def test_refuses_an_incomplete_checkpoint_with_the_list(tiny_model, tmp_path, re
     for name in remove:
         (ckpt / name).unlink()
     out = tmp_path / "model"
-    proc = run_script("prepare_v100_model.py", ckpt, out, "--processor-dir", tiny_model["processor"],
-                      "--allow-unpinned")
+    proc = run_script(*prepare_args(tiny_model, ckpt, out))
     assert_refused(proc, out, *words)
 
 
@@ -353,7 +357,7 @@ def test_sharded_checkpoint_needs_every_shard_its_index_names(tiny_model, tmp_pa
     ckpt = copy_checkpoint(tiny_model, tmp_path)
     _shard(ckpt)
     out = tmp_path / "model"
-    args = ("prepare_v100_model.py", ckpt, out, "--processor-dir", tiny_model["processor"], "--allow-unpinned")
+    args = prepare_args(tiny_model, ckpt, out)
     second = (ckpt / "model-00002-of-00002.safetensors").read_bytes()
     (ckpt / "model-00002-of-00002.safetensors").unlink()
     assert_refused(run_script(*args), out, "incomplete", "model-00002-of-00002.safetensors")
@@ -394,8 +398,7 @@ def test_refuses_weights_that_would_not_load_read_from_their_headers(tiny_model,
     ckpt = copy_checkpoint(tiny_model, tmp_path)
     _rewrite_weights(ckpt, case)
     out = tmp_path / "model"
-    proc = run_script("prepare_v100_model.py", ckpt, out, "--processor-dir", tiny_model["processor"],
-                      "--allow-unpinned")
+    proc = run_script(*prepare_args(tiny_model, ckpt, out))
     assert_refused(proc, out, *words)
 
 
@@ -441,10 +444,7 @@ def test_processor_config_carried_by_the_checkpoint_is_checked_against_the_pin(t
 
 
 def test_rebuild_never_deletes_a_file_it_did_not_create(tiny_model, tmp_path):
-    ckpt = copy_checkpoint(tiny_model, tmp_path)
-    out = tmp_path / "model"
-    args = ("prepare_v100_model.py", ckpt, out, "--processor-dir", tiny_model["processor"], "--allow-unpinned")
-    run_script(*args, check=True)
+    ckpt, out, args = prepared_copy(tiny_model, tmp_path)
     (out / "operator_notes.txt").write_text("mine\n")
     assert run_script(*args).returncode == 0  # nothing changed: a no-op keeps the file
     (ckpt / "generation_config.json").write_text("{}")  # the checkpoint changed: a rebuild is due
@@ -465,8 +465,7 @@ def test_stale_partial_of_a_dead_run_is_cleaned_with_a_line(tiny_model, tmp_path
     stale = tmp_path / f".model.partial-{dead.pid}"
     (stale / "sub").mkdir(parents=True)
     out = tmp_path / "model"
-    proc = run_script("prepare_v100_model.py", tiny_model["checkpoint"], out, "--processor-dir",
-                      tiny_model["processor"], "--allow-unpinned")
+    proc = run_script(*prepare_args(tiny_model, tiny_model["checkpoint"], out))
     assert proc.returncode == 0, proc.stderr
     assert f"removing .model.partial-{dead.pid}" in proc.stderr
     assert not stale.exists() and out.is_dir()
