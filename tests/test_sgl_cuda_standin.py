@@ -167,9 +167,15 @@ def test_registering_over_the_compiled_library_is_refused_and_the_shim_registers
 
 # ---- arithmetic -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("hidden", HIDDEN)
-@pytest.mark.parametrize("batch", BATCH)
+def over_norm_inputs(test):
+    """Parametrized over every batch, hidden size and dtype of the norm tests."""
+    for mark in (pytest.mark.parametrize("batch", BATCH), pytest.mark.parametrize("hidden", HIDDEN),
+                 pytest.mark.parametrize("dtype", DTYPES, ids=str)):
+        test = mark(test)
+    return test
+
+
+@over_norm_inputs
 @pytest.mark.parametrize("gemma", [False, True], ids=["rmsnorm", "gemma_rmsnorm"])
 def test_rmsnorm(gemma, batch, hidden, dtype):
     x, _, w = inputs(batch, hidden, dtype)
@@ -181,9 +187,7 @@ def test_rmsnorm(gemma, batch, hidden, dtype):
     assert torch.equal(x, x0) and torch.equal(w, w0)  # only out changes
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("hidden", HIDDEN)
-@pytest.mark.parametrize("batch", BATCH)
+@over_norm_inputs
 @pytest.mark.parametrize("gemma", [False, True], ids=["fused_add_rmsnorm", "gemma_fused_add_rmsnorm"])
 def test_fused_add_rmsnorm(gemma, batch, hidden, dtype):
     x, r, w = inputs(batch, hidden, dtype)
