@@ -32,10 +32,8 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -44,10 +42,11 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 APP = REPO / "app"
 
-from openjev.common import UserError, atomic_write_json, git_revision, run_main, utc_now
+from openjev.common import UserError, run_main
 from openjev_testsupport.ports import free_port
-from openjev_testsupport.loopback_bench import (Client, admin, build_tiny, free_pair, machine, run, summary_ms,
-                                                wait_status)
+from openjev_testsupport.loopback_bench import (Client, RequestNumbers, admin, build_tiny, cpu_result_path, find_haproxy,
+                                                free_pair, haproxy_version, request_rows, result_head, run,
+                                                run_clients, summary_ms, wait_status, work_dir, write_result)
 from openjev_testsupport import unit_runner
 
 KIND = "openjev-gateway-bench"
@@ -113,21 +112,16 @@ def latency_mode(direct_port: int, gateway_port: int, pairs: int, kinds: dict, f
 
 
 def throughput_run(port: int, rows: list[list[int]], ref: np.ndarray, n: int, clients: int) -> dict:
-    lock = threading.Lock()
-    state = {"next": 0, "rows": 0, "failures": 0, "mismatches": 0}
+    numbers = RequestNumbers(n)
+    lock = numbers.lock
+    state = {"rows": 0, "failures": 0, "mismatches": 0}
     lat: list[float] = []
     by_replica: dict[str, int] = {}
 
     def worker():
         c = Client(port)
-        while True:
-            with lock:
-                i = state["next"]
-                if i >= n:
-                    return
-                state["next"] += 1
-            k = i % len(rows)
-            idx = [k] if i % 2 == 0 else [k, (k + 7) % len(rows)]
+        while (i := numbers.take()) is not None:
+            idx = request_rows(i, len(rows))
             body = json.dumps({"input_ids": [rows[j] for j in idx]}).encode()
             t0 = time.perf_counter()
             try:
@@ -147,13 +141,7 @@ def throughput_run(port: int, rows: list[list[int]], ref: np.ndarray, n: int, cl
                 name = headers.get("x-openjev-replica") or "?"
                 by_replica[name] = by_replica.get(name, 0) + 1
 
-    threads = [threading.Thread(target=worker) for _ in range(clients)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    secs = time.perf_counter() - t0
+    secs = run_clients(worker, clients)
     return {"requests": n, "rows": state["rows"], "clients": clients, "seconds": round(secs, 3),
             "requests_per_s": round(n / secs, 2), "rows_per_s": round(state["rows"] / secs, 2),
             "latency": summary_ms(lat), "failures": state["failures"], "mismatches": state["mismatches"],
@@ -163,65 +151,53 @@ def throughput_run(port: int, rows: list[list[int]], ref: np.ndarray, n: int, cl
 # ---------------------------------------------------------------- main
 def main() -> int:
     args = build_parser().parse_args()
-    out = args.out.resolve()
-    if "results_v100" in out.parts:
-        raise UserError(f"{out} is under results_v100/, which holds V100 receipts only; this is a CPU benchmark")
-    haproxy = shutil.which(args.haproxy or "haproxy") or ("/usr/sbin/haproxy" if os.access("/usr/sbin/haproxy", os.X_OK) else None)
-    if haproxy is None:
-        raise UserError("haproxy is not installed (Debian: apt-get install haproxy)")
+    out = cpu_result_path(args.out)
+    haproxy = find_haproxy(args.haproxy)
     if args.model and not (args.tokens and args.reference):
         raise UserError("--model needs --tokens and --reference (the reference logits every answer is checked against)")
     if min(args.latency_pairs, args.requests, args.clients) < 1:
         raise UserError("--latency-pairs, --requests and --clients must be >= 1")
 
-    tmp = None
-    work = args.work
-    if work is None:
-        tmp = tempfile.TemporaryDirectory(prefix="openjev-bench-gateway-")
-        work = Path(tmp.name)
-    work = work.resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    if args.model:
-        model, tokens, refdir = args.model.resolve(), args.tokens.resolve(), args.reference.resolve()
-    else:
-        model, tokens, refdir = build_tiny(work)
-    rows = [json.loads(line)["input_ids"] for line in tokens.read_text().splitlines() if line.strip()]
-    ref = np.load(refdir / "reference.npy")
+    with work_dir(args.work, "openjev-bench-gateway-") as work:
+        if args.model:
+            model, tokens, refdir = args.model.resolve(), args.tokens.resolve(), args.reference.resolve()
+        else:
+            model, tokens, refdir = build_tiny(work)
+        rows = [json.loads(line)["input_ids"] for line in tokens.read_text().splitlines() if line.strip()]
+        ref = np.load(refdir / "reference.npy")
 
-    port, stats_port, base = free_port(), free_port(), free_pair()
-    deploy = work / "deploy"
-    shutil.rmtree(deploy, ignore_errors=True)
-    (deploy / "root").mkdir(parents=True)
-    run(["bash", REPO / "deploy" / "install_units.sh", "--root", deploy / "root", "--model", model,
-         "--unit-dir", deploy / "units", "--conf-dir", deploy / "conf", "--gpus", "0,1", "--port", port,
-         "--stats-port", stats_port, "--replica-port-base", base, "--backend", "transformers",
-         "--haproxy", haproxy, "--env", f"OPENJEV_PYTHON={PY}", "--env", "OMP_NUM_THREADS=1", "--no-verify"],
-        "install_units.sh")
-    runtime = Path(tempfile.mkdtemp(prefix="ojgw-", dir="/tmp"))  # short: AF_UNIX path limit
-    adm = runtime / "openjev-gateway" / "admin.sock"
-    load_before = os.getloadavg()
-    version = subprocess.run([haproxy, "-v"], capture_output=True, text=True).stdout.split()[2]
-    mgr = unit_runner.Manager(deploy / "units", runtime, deploy / "journal")
-    try:
-        print(f"starting the gateway on 127.0.0.1:{port} and replicas on {base}, {base + 1} ...", flush=True)
-        mgr.start_target("openjev.target")
-        wait_status(adm, {"replica0": "UP", "replica1": "UP"})
+        port, stats_port, base = free_port(), free_port(), free_pair()
+        deploy = work / "deploy"
+        shutil.rmtree(deploy, ignore_errors=True)
+        (deploy / "root").mkdir(parents=True)
+        run(["bash", REPO / "deploy" / "install_units.sh", "--root", deploy / "root", "--model", model,
+             "--unit-dir", deploy / "units", "--conf-dir", deploy / "conf", "--gpus", "0,1", "--port", port,
+             "--stats-port", stats_port, "--replica-port-base", base, "--backend", "transformers",
+             "--haproxy", haproxy, "--env", f"OPENJEV_PYTHON={PY}", "--env", "OMP_NUM_THREADS=1", "--no-verify"],
+            "install_units.sh")
+        runtime = Path(tempfile.mkdtemp(prefix="ojgw-", dir="/tmp"))  # short: AF_UNIX path limit
+        adm = runtime / "openjev-gateway" / "admin.sock"
+        load_before = os.getloadavg()
+        version = haproxy_version(haproxy)
+        mgr = unit_runner.Manager(deploy / "units", runtime, deploy / "journal")
+        try:
+            print(f"starting the gateway on 127.0.0.1:{port} and replicas on {base}, {base + 1} ...", flush=True)
+            mgr.start_target("openjev.target")
+            wait_status(adm, {"replica0": "UP", "replica1": "UP"})
 
-        admin(adm, "set server openjev/replica1 state maint")
-        wait_status(adm, {"replica1": "MAINT"})
-        latency = latency_phase(base, port, args.latency_pairs, rows[0])
+            admin(adm, "set server openjev/replica1 state maint")
+            wait_status(adm, {"replica1": "MAINT"})
+            latency = latency_phase(base, port, args.latency_pairs, rows[0])
 
-        print(f"throughput: {args.requests} requests, {args.clients} clients, one replica ...", flush=True)
-        one = throughput_run(port, rows, ref, args.requests, args.clients)
-        admin(adm, "set server openjev/replica1 state ready")
-        wait_status(adm, {"replica0": "UP", "replica1": "UP"})
-        print(f"throughput: {args.requests} requests, {args.clients} clients, two replicas ...", flush=True)
-        two = throughput_run(port, rows, ref, args.requests, args.clients)
-    finally:
-        mgr.close()
-        shutil.rmtree(runtime, ignore_errors=True)
-        if tmp is not None:
-            tmp.cleanup()
+            print(f"throughput: {args.requests} requests, {args.clients} clients, one replica ...", flush=True)
+            one = throughput_run(port, rows, ref, args.requests, args.clients)
+            admin(adm, "set server openjev/replica1 state ready")
+            wait_status(adm, {"replica0": "UP", "replica1": "UP"})
+            print(f"throughput: {args.requests} requests, {args.clients} clients, two replicas ...", flush=True)
+            two = throughput_run(port, rows, ref, args.requests, args.clients)
+        finally:
+            mgr.close()
+            shutil.rmtree(runtime, ignore_errors=True)
     load_after = os.getloadavg()
     # A replica whose sockets lack TCP_NODELAY answers keep-alive requests after the first one
     # ~40 ms late (Nagle against the client's delayed ACK); fresh connections are not affected.
@@ -240,13 +216,7 @@ def main() -> int:
         print(f"{name}: {res['requests_per_s']} req/s, {res['rows_per_s']} rows/s, p50 {res['latency']['p50_ms']} ms, "
               f"p99 {res['latency']['p99_ms']} ms, failures {res['failures']}, mismatches {res['mismatches']}")
     result = {
-        "kind": KIND,
-        "created": utc_now(),
-        "machine": machine(),
-        "load_average_before": [round(x, 2) for x in load_before],
-        "load_average_after": [round(x, 2) for x in load_after],
-        "bundle_git": git_revision(),
-        "haproxy_version": version,
+        **result_head(KIND, load_before, load_after, version),
         "deployment": "deploy/install_units.sh --backend transformers (tiny random-weight Qwen3.5 classifier, "
                       "float32, exact batching, OMP_NUM_THREADS=1 per replica) run by openjev_testsupport/unit_runner.py; "
                       "HAProxy master-worker on a socket held by the runner (fd 3)",
@@ -268,9 +238,7 @@ def main() -> int:
             "people's work: see the load averages), so two replicas cannot double throughput here as two GPUs would.",
         ],
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out, result)
-    print(f"wrote {out}")
+    write_result(out, result)
     return 0
 
 

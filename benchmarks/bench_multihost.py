@@ -47,10 +47,8 @@ import random
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -60,9 +58,11 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 APP = REPO / "app"
 
-from openjev.common import UserError, atomic_write_json, git_revision, run_main, utc_now
+from openjev.common import UserError, run_main
 from openjev_testsupport import unit_runner
-from openjev_testsupport.loopback_bench import Client, admin, build_tiny, machine, run, summary_ms
+from openjev_testsupport.loopback_bench import (Client, RequestNumbers, admin, build_tiny, cpu_result_path, find_haproxy,
+                                                haproxy_version, result_head, run, run_clients, summary_ms, work_dir,
+                                                write_result)
 from openjev_testsupport.pki import CERTS, make_host_tls
 from openjev_testsupport.ports import free_ports_on
 
@@ -177,19 +177,15 @@ def affinity_run(url: tuple[str, int], rows: list[list[int]], ref: np.ndarray, g
                  clients: int, seed: int) -> dict:
     order = [i for _ in range(rounds) for i in range(len(rows))]
     random.Random(seed).shuffle(order)
-    lock = threading.Lock()
-    state = {"next": 0, "failures": 0, "mismatches": 0}
+    numbers = RequestNumbers(len(order))
+    lock = numbers.lock
+    state = {"failures": 0, "mismatches": 0}
     routed: list[tuple[int, str]] = []
     lat: list[float] = []
 
     def worker():
         c = Client(url[1], addr=url[0])
-        while True:
-            with lock:
-                k = state["next"]
-                if k >= len(order):
-                    return
-                state["next"] += 1
+        while (k := numbers.take()) is not None:
             i = order[k]
             t0 = time.perf_counter()
             try:
@@ -209,13 +205,7 @@ def affinity_run(url: tuple[str, int], rows: list[list[int]], ref: np.ndarray, g
                     where += "/" + headers["x-openjev-peer-replica"]
                 routed.append((i, where))
 
-    threads = [threading.Thread(target=worker) for _ in range(clients)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    secs = time.perf_counter() - t0
+    secs = run_clients(worker, clients)
     by_group: dict[str, Counter] = defaultdict(Counter)
     for i, where in routed:
         by_group[groups[i]][where] += 1
@@ -248,12 +238,8 @@ def lcp(a: list[int], b: list[int]) -> int:
 # ---------------------------------------------------------------- main
 def main() -> int:
     args = build_parser().parse_args()
-    out = args.out.resolve()
-    if "results_v100" in out.parts:
-        raise UserError(f"{out} is under results_v100/, which holds V100 receipts only; this is a CPU benchmark")
-    haproxy = shutil.which(args.haproxy or "haproxy") or ("/usr/sbin/haproxy" if os.access("/usr/sbin/haproxy", os.X_OK) else None)
-    if haproxy is None:
-        raise UserError("haproxy is not installed (Debian: apt-get install haproxy)")
+    out = cpu_result_path(args.out)
+    haproxy = find_haproxy(args.haproxy)
     if shutil.which("openssl") is None:
         raise UserError("openssl is not installed (Debian: apt-get install openssl)")
     if min(args.rounds, args.affinity_rounds, args.clients, args.prefix_affinity) < 1:
@@ -265,93 +251,85 @@ def main() -> int:
         except OSError as exc:
             raise UserError(f"cannot bind {addr} ({exc}): this benchmark plays two hosts on 127.0.0.2 and 127.0.0.3") from None
 
-    tmp = None
-    work = args.work
-    if work is None:
-        tmp = tempfile.TemporaryDirectory(prefix="openjev-bench-multihost-")
-        work = Path(tmp.name)
-    work = work.resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    model, tokens, refdir = build_tiny(work)
-    token_rows = [json.loads(line) for line in tokens.read_text().splitlines() if line.strip()]
-    rows = [r["input_ids"] for r in token_rows]
-    ref = np.load(refdir / "reference.npy")
-    groups = group_keys(REPO / "data" / "nli_sample.jsonl", [r["id"] for r in token_rows])
+    with work_dir(args.work, "openjev-bench-multihost-") as work:
+        model, tokens, refdir = build_tiny(work)
+        token_rows = [json.loads(line) for line in tokens.read_text().splitlines() if line.strip()]
+        rows = [r["input_ids"] for r in token_rows]
+        ref = np.load(refdir / "reference.npy")
+        groups = group_keys(REPO / "data" / "nli_sample.jsonl", [r["id"] for r in token_rows])
 
-    tls = make_pki(work)
-    peer_port = free_ports_on(PEER)
-    hosts = {}
-    for name, addr in (("peer", PEER), ("front", FRONT)):
-        d = work / name
-        (d / "root").mkdir(parents=True, exist_ok=True)
-        hosts[name] = {"addr": addr, "root": d / "root", "units": d / "units", "conf": d / "conf", "model": model,
-                       "port": free_ports_on(addr), "stats": free_ports_on(addr), "base": free_ports_on(addr, 2),
-                       "tls": tls[name], "haproxy": haproxy,
-                       "extra": ["--peer-listen", f"{PEER}:{peer_port}"] if name == "peer"
-                       else ["--remote", f"peer3={PEER}:{peer_port}"]}
-        render(hosts[name])
-    load_before = os.getloadavg()
-    version = subprocess.run([haproxy, "-v"], capture_output=True, text=True).stdout.split()[2]
-    managers = []
-    try:
-        for name, h in hosts.items():
-            runtime = Path(tempfile.mkdtemp(prefix=f"ojmh-{name}-", dir="/tmp"))
-            mgr = unit_runner.Manager(h["units"], runtime, work / name / "journal")
-            managers.append((mgr, runtime))
-            h["mgr"], h["admin"] = mgr, runtime / "openjev-gateway" / "admin.sock"
-            print(f"starting the {name} host on {h['addr']} ...", flush=True)
-            mgr.start_target("openjev.target")
-        wait_status(hosts["peer"]["admin"], {"replica0": "UP", "replica1": "UP"})
-        wait_status(hosts["front"]["admin"], {"replica0": "UP", "replica1": "UP", "peer-peer3": "UP"})
-
-        # latency: every path ends at the peer's replica0
-        set_state(hosts["front"]["admin"], {"replica0": "maint", "replica1": "maint"})
-        set_state(hosts["peer"]["admin"], {"replica1": "maint"})
-        wait_status(hosts["front"]["admin"], {"replica0": "MAINT", "replica1": "MAINT", "peer-peer3": "UP"})
-        paths = {"direct": (PEER, hosts["peer"]["base"]), "local_gw": (PEER, hosts["peer"]["port"]),
-                 "tls_hop": (FRONT, hosts["front"]["port"])}
-        latency = {"as_rendered": latency_phase(paths, args.rounds, rows[0])}
-        cfg = hosts["front"]["conf"] / "haproxy.cfg"
-        rendered = cfg.read_text()
-        keepalive = "    no option http-server-close\n    option http-keep-alive\n    http-reuse always\n"
-        if keepalive not in rendered:
-            raise UserError(f"{cfg} does not hold the front gateway's keep-alive lines")
-        cfg.write_text(rendered.replace(keepalive, "    option http-server-close\n"))
-        hosts["front"]["mgr"].service("openjev-gateway.service").reload()
-        time.sleep(1.0)
-        set_state(hosts["front"]["admin"], {"replica0": "maint", "replica1": "maint"})  # a reload resets states
-        wait_status(hosts["front"]["admin"], {"replica0": "MAINT", "replica1": "MAINT", "peer-peer3": "UP"})
-        print("variant: front gateway with option http-server-close ...", flush=True)
-        latency["variant_server_close"] = latency_phase(paths, args.rounds, rows[0])
-        cfg.write_text(rendered)
-        hosts["front"]["mgr"].service("openjev-gateway.service").reload()
-        time.sleep(1.0)
-        set_state(hosts["front"]["admin"], {"replica0": "ready", "replica1": "ready"})
-        set_state(hosts["peer"]["admin"], {"replica1": "ready"})
-        wait_status(hosts["peer"]["admin"], {"replica0": "UP", "replica1": "UP"})
-        wait_status(hosts["front"]["admin"], {"replica0": "UP", "replica1": "UP", "peer-peer3": "UP"})
-
-        # affinity: leastconn, then --prefix-affinity N (re-render, seamless reload of both gateways)
-        front_url = (FRONT, hosts["front"]["port"])
-        print(f"affinity: leastconn, {args.affinity_rounds} x {len(rows)} requests ...", flush=True)
-        least = affinity_run(front_url, rows, ref, groups, args.affinity_rounds, args.clients, seed=1)
-        hashed = {}
-        for factor in ("150", "0"):
-            for h in hosts.values():
-                render(h, "--prefix-affinity", args.prefix_affinity, "--hash-balance-factor", factor)
-                h["mgr"].service("openjev-gateway.service").reload()
-            time.sleep(1.0)
+        tls = make_pki(work)
+        peer_port = free_ports_on(PEER)
+        hosts = {}
+        for name, addr in (("peer", PEER), ("front", FRONT)):
+            d = work / name
+            (d / "root").mkdir(parents=True, exist_ok=True)
+            hosts[name] = {"addr": addr, "root": d / "root", "units": d / "units", "conf": d / "conf", "model": model,
+                           "port": free_ports_on(addr), "stats": free_ports_on(addr), "base": free_ports_on(addr, 2),
+                           "tls": tls[name], "haproxy": haproxy,
+                           "extra": ["--peer-listen", f"{PEER}:{peer_port}"] if name == "peer"
+                           else ["--remote", f"peer3={PEER}:{peer_port}"]}
+            render(hosts[name])
+        load_before = os.getloadavg()
+        version = haproxy_version(haproxy)
+        managers = []
+        try:
+            for name, h in hosts.items():
+                runtime = Path(tempfile.mkdtemp(prefix=f"ojmh-{name}-", dir="/tmp"))
+                mgr = unit_runner.Manager(h["units"], runtime, work / name / "journal")
+                managers.append((mgr, runtime))
+                h["mgr"], h["admin"] = mgr, runtime / "openjev-gateway" / "admin.sock"
+                print(f"starting the {name} host on {h['addr']} ...", flush=True)
+                mgr.start_target("openjev.target")
             wait_status(hosts["peer"]["admin"], {"replica0": "UP", "replica1": "UP"})
             wait_status(hosts["front"]["admin"], {"replica0": "UP", "replica1": "UP", "peer-peer3": "UP"})
-            print(f"affinity: --prefix-affinity {args.prefix_affinity} --hash-balance-factor {factor}, "
-                  f"{args.affinity_rounds} x {len(rows)} requests ...", flush=True)
-            hashed[factor] = affinity_run(front_url, rows, ref, groups, args.affinity_rounds, args.clients, seed=1)
-    finally:
-        for mgr, runtime in managers:
-            mgr.close()
-            shutil.rmtree(runtime, ignore_errors=True)
-        if tmp is not None:
-            tmp.cleanup()
+
+            # latency: every path ends at the peer's replica0
+            set_state(hosts["front"]["admin"], {"replica0": "maint", "replica1": "maint"})
+            set_state(hosts["peer"]["admin"], {"replica1": "maint"})
+            wait_status(hosts["front"]["admin"], {"replica0": "MAINT", "replica1": "MAINT", "peer-peer3": "UP"})
+            paths = {"direct": (PEER, hosts["peer"]["base"]), "local_gw": (PEER, hosts["peer"]["port"]),
+                     "tls_hop": (FRONT, hosts["front"]["port"])}
+            latency = {"as_rendered": latency_phase(paths, args.rounds, rows[0])}
+            cfg = hosts["front"]["conf"] / "haproxy.cfg"
+            rendered = cfg.read_text()
+            keepalive = "    no option http-server-close\n    option http-keep-alive\n    http-reuse always\n"
+            if keepalive not in rendered:
+                raise UserError(f"{cfg} does not hold the front gateway's keep-alive lines")
+            cfg.write_text(rendered.replace(keepalive, "    option http-server-close\n"))
+            hosts["front"]["mgr"].service("openjev-gateway.service").reload()
+            time.sleep(1.0)
+            set_state(hosts["front"]["admin"], {"replica0": "maint", "replica1": "maint"})  # a reload resets states
+            wait_status(hosts["front"]["admin"], {"replica0": "MAINT", "replica1": "MAINT", "peer-peer3": "UP"})
+            print("variant: front gateway with option http-server-close ...", flush=True)
+            latency["variant_server_close"] = latency_phase(paths, args.rounds, rows[0])
+            cfg.write_text(rendered)
+            hosts["front"]["mgr"].service("openjev-gateway.service").reload()
+            time.sleep(1.0)
+            set_state(hosts["front"]["admin"], {"replica0": "ready", "replica1": "ready"})
+            set_state(hosts["peer"]["admin"], {"replica1": "ready"})
+            wait_status(hosts["peer"]["admin"], {"replica0": "UP", "replica1": "UP"})
+            wait_status(hosts["front"]["admin"], {"replica0": "UP", "replica1": "UP", "peer-peer3": "UP"})
+
+            # affinity: leastconn, then --prefix-affinity N (re-render, seamless reload of both gateways)
+            front_url = (FRONT, hosts["front"]["port"])
+            print(f"affinity: leastconn, {args.affinity_rounds} x {len(rows)} requests ...", flush=True)
+            least = affinity_run(front_url, rows, ref, groups, args.affinity_rounds, args.clients, seed=1)
+            hashed = {}
+            for factor in ("150", "0"):
+                for h in hosts.values():
+                    render(h, "--prefix-affinity", args.prefix_affinity, "--hash-balance-factor", factor)
+                    h["mgr"].service("openjev-gateway.service").reload()
+                time.sleep(1.0)
+                wait_status(hosts["peer"]["admin"], {"replica0": "UP", "replica1": "UP"})
+                wait_status(hosts["front"]["admin"], {"replica0": "UP", "replica1": "UP", "peer-peer3": "UP"})
+                print(f"affinity: --prefix-affinity {args.prefix_affinity} --hash-balance-factor {factor}, "
+                      f"{args.affinity_rounds} x {len(rows)} requests ...", flush=True)
+                hashed[factor] = affinity_run(front_url, rows, ref, groups, args.affinity_rounds, args.clients, seed=1)
+        finally:
+            for mgr, runtime in managers:
+                mgr.close()
+                shutil.rmtree(runtime, ignore_errors=True)
     load_after = os.getloadavg()
 
     all_lcp = [lcp(a, b) for i, a in enumerate(rows) for j, b in enumerate(rows) if i < j and groups[i] != groups[j]]
@@ -363,13 +341,7 @@ def main() -> int:
               f"{res['share_on_group_main_replica_mean']}, served by {res['served_by']}, failures {res['failures']}, "
               f"mismatches {res['mismatches']}")
     result = {
-        "kind": KIND,
-        "created": utc_now(),
-        "machine": machine(),
-        "load_average_before": [round(x, 2) for x in load_before],
-        "load_average_after": [round(x, 2) for x in load_after],
-        "bundle_git": git_revision(),
-        "haproxy_version": version,
+        **result_head(KIND, load_before, load_after, version),
         "deployment": "two hosts played on 127.0.0.2 (front: gateway with --remote peer3=127.0.0.3:P, two local "
                       "replicas) and 127.0.0.3 (peer: --peer-listen 127.0.0.3:P, two replicas); deploy/install_units.sh "
                       "--backend transformers (tiny random-weight model, float32, OMP_NUM_THREADS=1 per replica), "
@@ -399,9 +371,7 @@ def main() -> int:
             "the same cores; see the load averages.",
         ],
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out, result)
-    print(f"wrote {out}")
+    write_result(out, result)
     return 0
 
 

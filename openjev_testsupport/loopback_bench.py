@@ -1,27 +1,64 @@
 """What the loopback CPU benchmarks share: a subprocess step with a one-line failure, the tiny model
-with its tokens and reference, free ports, HAProxy's admin socket, the machine's facts, millisecond
-summaries and a keep-alive HTTP client."""
+with its tokens and reference, free ports, HAProxy (its executable, version and admin socket), the
+work directory, the machine's facts, millisecond summaries, the request load of several client threads,
+a keep-alive HTTP client and the result's head and writing."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import os
+import shutil
 import platform
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
-from openjev.common import UserError
+from openjev.common import UserError, atomic_write_json, git_revision, utc_now
 from openjev_testsupport.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 APP = REPO / "app"
 PY = sys.executable
+
+
+def cpu_result_path(out: Path) -> Path:
+    """--out resolved; refused under results_v100/ (V100 receipts only)."""
+    out = out.resolve()
+    if "results_v100" in out.parts:
+        raise UserError(f"{out} is under results_v100/, which holds V100 receipts only; this is a CPU benchmark")
+    return out
+
+
+def find_haproxy(name: str | None) -> str:
+    """--haproxy, else haproxy on PATH, else /usr/sbin/haproxy."""
+    haproxy = shutil.which(name or "haproxy") or ("/usr/sbin/haproxy" if os.access("/usr/sbin/haproxy", os.X_OK) else None)
+    if haproxy is None:
+        raise UserError("haproxy is not installed (Debian: apt-get install haproxy)")
+    return haproxy
+
+
+def haproxy_version(haproxy: str) -> str:
+    return subprocess.run([haproxy, "-v"], capture_output=True, text=True).stdout.split()[2]
+
+
+@contextlib.contextmanager
+def work_dir(work: Path | None, prefix: str):
+    """--work (made if missing), or a temporary directory removed on leaving."""
+    if work is not None:
+        work = work.resolve()
+        work.mkdir(parents=True, exist_ok=True)
+        yield work
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        yield Path(tmp).resolve()
 
 
 def run(cmd: list, what: str) -> str:
@@ -113,6 +150,60 @@ def summary_ms(values: list[float]) -> dict:
     ms = [v * 1e3 for v in values]
     return {"n": len(ms), "p50_ms": round(pct(ms, 50), 3), "p90_ms": round(pct(ms, 90), 3),
             "p99_ms": round(pct(ms, 99), 3), "mean_ms": round(statistics.fmean(ms), 3), "max_ms": round(max(ms), 3)}
+
+
+def request_rows(i: int, n_rows: int) -> list[int]:
+    """The rows request i of a load carries: row k = i mod n, and for odd i also row (k + 7) mod n."""
+    k = i % n_rows
+    return [k] if i % 2 == 0 else [k, (k + 7) % n_rows]
+
+
+class RequestNumbers:
+    """Request numbers 0..n-1 that client threads take in turn; counts those in flight and done (under lock)."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.lock = threading.Lock()
+        self.next = self.done = self.in_flight = 0
+
+    def take(self) -> int | None:
+        """The next number (now in flight), or None when all n are taken."""
+        with self.lock:
+            if self.next >= self.n:
+                return None
+            self.next += 1
+            self.in_flight += 1
+            return self.next - 1
+
+
+def run_clients(worker, clients: int) -> float:
+    """worker() in each of `clients` threads at once; the seconds until the last one ends."""
+    threads = [threading.Thread(target=worker) for _ in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def result_head(kind: str, load_before: tuple, load_after: tuple, haproxy: str) -> dict:
+    """The first keys of a loopback benchmark's result: what, when, where, at which revision."""
+    return {
+        "kind": kind,
+        "created": utc_now(),
+        "machine": machine(),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in load_after],
+        "bundle_git": git_revision(),
+        "haproxy_version": haproxy,
+    }
+
+
+def write_result(out: Path, result: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out, result)
+    print(f"wrote {out}")
 
 
 class Client:
