@@ -113,14 +113,20 @@ def refuse_existing(path: str | os.PathLike, overwrite: bool = False, what: str 
 
 
 # ---------------------------------------------------------------- pinned sources
-def load_sources(path: str | os.PathLike | None = None) -> dict:
-    path = Path(path) if path else HF_SOURCE_PATH
+def read_json(path: str | os.PathLike, what: str) -> Any:
+    """The JSON document in path; a one-line UserError naming `what` when it is missing, unreadable or not JSON."""
     try:
-        return json.loads(path.read_text())
+        return json.loads(Path(path).read_text())
     except FileNotFoundError:
-        raise UserError(f"pinned-source file {path} not found") from None
+        raise UserError(f"{what} {path} not found") from None
     except json.JSONDecodeError as exc:
-        raise UserError(f"pinned-source file {path} is not valid JSON: {exc}") from None
+        raise UserError(f"{what} {path} is not valid JSON: {exc}") from None
+    except OSError as exc:
+        raise UserError(f"cannot read {what} {path}: {exc}") from None
+
+
+def load_sources(path: str | os.PathLike | None = None) -> dict:
+    return read_json(Path(path) if path else HF_SOURCE_PATH, "pinned-source file")
 
 
 def require_pin(value: str | None, what: str, allow_unpinned: bool,

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from openjev.common import UserError
+from openjev.common import UserError, read_json
 
 DEFAULT_PROFILES = "fcfs:8,fcfs:16,fcfs:32,lpm:16"
 
@@ -107,12 +106,7 @@ def parse_profiles(spec: str) -> list[Profile]:
         raise UserError("--profiles is empty")
     path = Path(spec).expanduser()
     if spec.endswith(".json") or path.is_file():
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise UserError(f"profiles file {path} not found") from None
-        except (OSError, json.JSONDecodeError) as exc:
-            raise UserError(f"profiles file {path} is not readable JSON: {exc}") from None
+        data = read_json(path, "profiles file")
         if not isinstance(data, list) or not data:
             raise UserError(f"profiles file {path} must hold a non-empty JSON list of profile objects")
         profiles = []
