@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -162,22 +162,15 @@ class PagedPrefillCase:
     q_lens: list[int]
     prefix_lens: list[int]
     poisoned: bool
+    # what the tensors' shapes fix: block_table is [batch, width], the caches [num_pages, page_size, heads_kv, dim]
+    batch: int = field(init=False, repr=False)
+    width: int = field(init=False, repr=False)
+    num_pages: int = field(init=False, repr=False)
+    page_size: int = field(init=False, repr=False)
 
-    @property
-    def batch(self) -> int:
-        return int(self.block_table.shape[0])
-
-    @property
-    def num_pages(self) -> int:
-        return int(self.k_cache.shape[0])
-
-    @property
-    def width(self) -> int:
-        return int(self.block_table.shape[1])
-
-    @property
-    def page_size(self) -> int:
-        return int(self.k_cache.shape[1])
+    def __post_init__(self) -> None:
+        self.batch, self.width = map(int, self.block_table.shape)
+        self.num_pages, self.page_size = map(int, self.k_cache.shape[:2])
 
     @property
     def max_seqlen_q(self) -> int:
