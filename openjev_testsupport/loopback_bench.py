@@ -8,8 +8,8 @@ from __future__ import annotations
 import contextlib
 import http.client
 import os
-import shutil
 import platform
+import shutil
 import socket
 import statistics
 import subprocess
@@ -187,7 +187,7 @@ def run_clients(worker, clients: int) -> float:
     return time.perf_counter() - t0
 
 
-def result_head(kind: str, load_before: tuple, load_after: tuple, haproxy: str) -> dict:
+def result_head(kind: str, load_before: tuple, load_after: tuple, version: str) -> dict:
     """The first keys of a loopback benchmark's result: what, when, where, at which revision."""
     return {
         "kind": kind,
@@ -196,7 +196,7 @@ def result_head(kind: str, load_before: tuple, load_after: tuple, haproxy: str) 
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in load_after],
         "bundle_git": git_revision(),
-        "haproxy_version": haproxy,
+        "haproxy_version": version,
     }
 
 
