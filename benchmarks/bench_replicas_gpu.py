@@ -54,7 +54,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 from openjev.common import UserError, atomic_write_json, git_revision, run_main, softmax, utc_now
 from openjev_testsupport import unit_runner
-from openjev_testsupport.loopback_bench import Client, admin, free_pair, machine, run, summary_ms
+from openjev_testsupport.loopback_bench import (Client, RequestNumbers, admin, free_pair, machine, request_rows, run,
+                                                run_clients, summary_ms)
 from openjev_testsupport.ports import free_port
 
 KIND = "openjev-replicas-gpu-bench"
@@ -104,12 +105,6 @@ def compare(got: np.ndarray, ref: np.ndarray, max_prob_diff: float) -> tuple[boo
     return same_argmax and diff <= max_prob_diff, diff, bitwise
 
 
-def request_rows(i: int, n_rows: int) -> list[int]:
-    """Request i carries 1 row (even i) or 2 rows (odd i) of the set, as bench_gateway.py."""
-    k = i % n_rows
-    return [k] if i % 2 == 0 else [k, (k + 7) % n_rows]
-
-
 def replica_placement(replica_gpus: dict[str, list[int]], expected: dict[str, int]) -> dict:
     """Verdict on NVML's view: every replica on exactly its expected physical GPU."""
     ok = {name: replica_gpus.get(name) == [gpu] for name, gpu in expected.items()}
@@ -118,13 +113,13 @@ def replica_placement(replica_gpus: dict[str, list[int]], expected: dict[str, in
 
 
 # ---------------------------------------------------------------- load
-class Load:
+class Load(RequestNumbers):
     """Requests through the gateway from keep-alive clients, in a thread; progress readable while it runs."""
 
     def __init__(self, port: int, rows: list[list[int]], ref: np.ndarray, n: int, clients: int, max_prob_diff: float):
-        self.port, self.rows, self.ref, self.n, self.clients, self.tol = port, rows, ref, n, clients, max_prob_diff
-        self.lock = threading.Lock()
-        self.next = self.done = self.in_flight = self.row_count = self.bitwise = 0
+        super().__init__(n)
+        self.port, self.rows, self.ref, self.clients, self.tol = port, rows, ref, clients, max_prob_diff
+        self.row_count = self.bitwise = 0
         self.failures: list[str] = []
         self.mismatches: list[int] = []
         self.max_diff = 0.0
@@ -135,13 +130,7 @@ class Load:
 
     def _worker(self) -> None:
         c = Client(self.port)
-        while True:
-            with self.lock:
-                i = self.next
-                if i >= self.n:
-                    return
-                self.next += 1
-                self.in_flight += 1
+        while (i := self.take()) is not None:
             idx = request_rows(i, len(self.rows))
             body = json.dumps({"input_ids": [self.rows[j] for j in idx]}).encode()
             t0 = time.perf_counter()
@@ -170,13 +159,7 @@ class Load:
 
     def start(self) -> "Load":
         def body():
-            threads = [threading.Thread(target=self._worker) for _ in range(self.clients)]
-            t0 = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            self.seconds = time.perf_counter() - t0
+            self.seconds = run_clients(self._worker, self.clients)
 
         self._thread = threading.Thread(target=body)
         self._thread.start()

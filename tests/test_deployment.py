@@ -43,6 +43,7 @@ import requests
 from conftest import PY, REPO, error_lines, free_port, free_ports_on, token_rows
 
 from openjev_testsupport import unit_runner
+from openjev_testsupport.loopback_bench import RequestNumbers, request_rows
 
 INSTALL = REPO / "deploy" / "install_units.sh"
 LAUNCHER = REPO / "app" / "serve_sglang_v100.sh"
@@ -124,18 +125,15 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
 
 
-class Load:
+class Load(RequestNumbers):
     """Bounded /classify load from CLIENTS keep-alive clients; every answer checked bitwise.
 
-    Request i carries row k = i mod n, and for odd i also row (k + 7) mod n (1-2 rows each).
+    Request i carries the rows request_rows(i, n) names (1-2 rows each).
     """
 
     def __init__(self, url: str, rows: list[list[int]], ref: np.ndarray, n: int, clients: int = CLIENTS):
-        self.url, self.rows, self.ref, self.n, self.clients = url, rows, ref, n, clients
-        self.lock = threading.Lock()
-        self.next = 0
-        self.done = 0
-        self.in_flight = 0
+        super().__init__(n)
+        self.url, self.rows, self.ref, self.clients = url, rows, ref, clients
         self.failures: list[tuple[float, int, str]] = []
         self.mismatches: list[int] = []
         self.latencies: list[float] = []
@@ -143,19 +141,12 @@ class Load:
         self.threads = [threading.Thread(target=self._worker, daemon=True) for _ in range(clients)]
 
     def request(self, i: int) -> tuple[dict, np.ndarray]:
-        k = i % len(self.rows)
-        idx = [k] if i % 2 == 0 else [k, (k + 7) % len(self.rows)]
+        idx = request_rows(i, len(self.rows))
         return {"input_ids": [self.rows[j] for j in idx]}, self.ref[idx]
 
     def _worker(self) -> None:
         session = requests.Session()
-        while True:
-            with self.lock:
-                i = self.next
-                if i >= self.n:
-                    return
-                self.next += 1
-                self.in_flight += 1
+        while (i := self.take()) is not None:
             body, expected = self.request(i)
             t0 = time.perf_counter()
             try:
