@@ -23,13 +23,14 @@ import hashlib
 import logging
 import sys
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 
 log = logging.getLogger("openjev.prefix")
 DEFAULT_MIN_TOKENS = 32
+COUNTS = ("hits", "misses", "inserted", "evicted", "tokens_reused", "flushes")
 # Rows a forward of last tokens may hold: one token each, so a forward costs its launches, not its
 # rows (the cached keys are copied per forward, about 32 KB a token at Qwen3.5-4B's shape).
 LAST_TOKEN_ROWS = 64
@@ -63,12 +64,8 @@ class PrefixCache:
     entries: OrderedDict = field(default_factory=OrderedDict)
     lengths: dict = field(default_factory=dict)  # length -> entries of that length
     bytes: int = 0
-    hits: int = 0
-    misses: int = 0
-    inserted: int = 0
-    evicted: int = 0
-    tokens_reused: int = 0
-    flushes: int = 0
+    # hits, misses, inserted, evicted, tokens_reused, flushes
+    counts: Counter = field(default_factory=lambda: Counter(dict.fromkeys(COUNTS, 0)))
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def longest(self, row, limit: int):
@@ -80,10 +77,9 @@ class PrefixCache:
                 state = self.entries.get(key)
                 if state is not None:
                     self.entries.move_to_end(key)
-                    self.hits += 1
-                    self.tokens_reused += n
+                    self.counts.update(hits=1, tokens_reused=n)
                     return state
-            self.misses += 1
+            self.counts["misses"] += 1
             return None
 
     def put(self, tokens, state: PrefixState) -> None:
@@ -97,11 +93,11 @@ class PrefixCache:
                 return
             while self.entries and self.bytes + size > self.budget_bytes:
                 self._drop(next(iter(self.entries)))
-                self.evicted += 1
+                self.counts["evicted"] += 1
             self.entries[key] = state
             self.lengths[state.length] = self.lengths.get(state.length, 0) + 1
             self.bytes += size
-            self.inserted += 1
+            self.counts["inserted"] += 1
 
     def _drop(self, key) -> None:
         state = self.entries.pop(key)
@@ -116,14 +112,13 @@ class PrefixCache:
             self.entries.clear()
             self.lengths.clear()
             self.bytes = 0
-            self.flushes += 1
+            self.counts["flushes"] += 1
             return n
 
     def stats(self) -> dict:
         with self._lock:
             return {"entries": len(self.entries), "bytes": self.bytes, "budget_bytes": self.budget_bytes,
-                    "hits": self.hits, "misses": self.misses, "inserted": self.inserted, "evicted": self.evicted,
-                    "tokens_reused": self.tokens_reused, "flushes": self.flushes}
+                    **{k: self.counts[k] for k in COUNTS}}
 
 
 def shared_prefixes(rows: list[list[int]], floors: list[int], limits: list[int], min_tokens: int) -> dict:
