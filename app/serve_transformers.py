@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most rows per forward pass; a padded step is cut into fewer rows a forward where that "
                         "pads less (default: 16, as the SGLang launcher)")
     p.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"],
-                   help="accepted for launcher parity; with no prefix cache both mean first-come-first-served")
+                   help="accepted for launcher parity; the embedded scheduler serves the requests served the fewest "
+                        "tokens first whatever it says")
     p.add_argument("--max-batch-size", type=int, default=512, help="most inputs in one request; more gets 413 (default: 512)")
     p.add_argument("--batching", default="auto", choices=["auto", "exact", "padded"],
                    help="exact: one unpadded forward per row (bitwise the reference scorer); padded: rows of a step "
