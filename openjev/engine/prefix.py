@@ -13,8 +13,9 @@ forward's, not bitwise (the agreement goal applies); the default path stays the 
 
 A step: (1) every row looks up the longest cached prefix of itself; (2) rows of the step that share
 at least `min_tokens` tokens beyond that run the shared part once; (3) each row runs from its best
-state to its last token but one, that state is cached, (4) its last token gives the logits. Without a
-cache budget, (3) and (4) are one forward."""
+state to its last chunk boundary (a multiple of 64 tokens), that state is cached, (4) the rest of the
+row gives the logits. Without a cache budget, (3) and (4) are one forward. Every state sits on a chunk
+boundary of the GDN kernels, so the chunks a continuation runs are those of the exact forward."""
 
 from __future__ import annotations
 
@@ -31,9 +32,12 @@ import numpy as np
 log = logging.getLogger("openjev.prefix")
 DEFAULT_MIN_TOKENS = 32
 COUNTS = ("hits", "misses", "inserted", "evicted", "tokens_reused", "flushes")
-# Rows a forward of last tokens may hold: one token each, so a forward costs its launches, not its
-# rows (the cached keys are copied per forward, about 32 KB a token at Qwen3.5-4B's shape).
-LAST_TOKEN_ROWS = 64
+# Prefix states are taken only at multiples of the GDN kernels' chunk (64 tokens in fla and in
+# Transformers' fallback), so a continuation's chunks are the exact forward's chunks and its state
+# the one the exact forward carries across that boundary.
+GDN_CHUNK = 64
+# Rows a forward of tails (the < 64 tokens after a row's last state) may hold.
+TAIL_ROWS = 64
 
 
 @dataclass
@@ -125,9 +129,9 @@ def shared_prefixes(rows: list[list[int]], floors: list[int], limits: list[int],
     """Prefixes worth one forward for several rows of a step: row index -> prefix length.
 
     Rows are sorted by their token ids, so rows sharing a prefix stand together; a row's shared
-    prefix is the longer of its common prefixes with its two neighbours, taken when at least two
-    rows share it, it is `min_tokens` longer than what the row already has (`floors`, its cached
-    prefix) and leaves a token to run (`limits`)."""
+    prefix is the longer of its common prefixes with its two neighbours, cut to a multiple of
+    GDN_CHUNK and to `limits`, taken when at least two rows share it and it is `min_tokens` longer
+    than what the row already has (`floors`, its cached prefix)."""
     order = sorted(range(len(rows)), key=lambda i: rows[i])
     lcp = [0] * max(len(order) - 1, 0)
     for k in range(len(order) - 1):
@@ -139,6 +143,7 @@ def shared_prefixes(rows: list[list[int]], floors: list[int], limits: list[int],
     for k, i in enumerate(order):
         best = max(lcp[k - 1] if k > 0 else 0, lcp[k] if k < len(lcp) else 0)
         best = min(best, limits[i])
+        best = best // GDN_CHUNK * GDN_CHUNK
         if best - floors[i] >= min_tokens:
             chosen[i] = best
     # a prefix only one row chose is no saving: that row runs from what it has
@@ -190,8 +195,10 @@ class ContinuationForwards:
             mask[b, offset - start: offset + len(tokens)] = 1
             pos[b] = torch.arange(start, start + width)
         cache = self._cache([s for s, _ in items], offset, want_states)
+        gpu = str(dev).startswith("cuda")  # pinned and non-blocking: a plain copy would wait for queued forwards
+        ids, mask, pos = ((t.pin_memory() if gpu else t).to(dev, non_blocking=gpu) for t in (ids, mask, pos))
         with torch.inference_mode(), padded_layout(lengths, starts, offset, per_row_states=want_states):
-            out = self.clf.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
+            out = self.clf.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                                  past_key_values=cache, use_cache=True)
             states = self._states(cache, starts, lengths, offset) if want_states else None
         return out.logits, states
@@ -251,23 +258,23 @@ def install_per_row_gdn(model) -> bool:
     inner = getattr(modeling, "torch_chunk_gated_delta_rule", None)
     if inner is None or getattr(inner, "_openjev_per_row", False):
         return inner is not None
-    from openjev.engine.kernels import _bound
-
-    impl = _bound(inner)
-    modeling.torch_chunk_gated_delta_rule = per_row_chunk(
-        inner, packed=bool(impl is not None and getattr(impl, "__module__", "").startswith("fla.")))
+    modeling.torch_chunk_gated_delta_rule = per_row_chunk(inner)
     return True
 
 
-def per_row_chunk(inner, packed: bool):
+def per_row_chunk(inner):
     """`inner` (the chunked gated delta rule) made to give each row of a right-padded batch its own
-    final state while the padded layout asks for it: fla's varlen form where `packed` (one call, the
-    rows' real tokens packed with cu_seqlens), else one call per row."""
+    final state while the padded layout asks for it: one call per row over its real tokens, from its
+    own initial state, the call an exact forward of that row makes (fla's varlen form would be one
+    call, but it reads cu_seqlens back to the host every layer, which stalls the stream)."""
     from openjev.engine.classifier import current_layout
 
-    packed = {"ok": packed}
-
-    def rows_alone(layout, query, key, value, g, beta, args, initial_state, kwargs):
+    @functools.wraps(inner)
+    def chunk_per_row(query, key, value, g, beta, *args, initial_state=None, output_final_state=False, **kwargs):
+        layout = current_layout()
+        if layout is None or not layout.per_row_states or query.shape[0] != len(layout.lengths):
+            return inner(query, key, value, g, beta, *args, initial_state=initial_state,
+                         output_final_state=output_final_state, **kwargs)
         import torch
 
         outs, finals = None, []
@@ -280,41 +287,6 @@ def per_row_chunk(inner, packed: bool):
             outs[b:b + 1, :n] = o
             finals.append(s)
         return outs, torch.cat(finals)
-
-    def rows_packed(layout, query, key, value, g, beta, args, initial_state, kwargs):
-        """fla's varlen form: the rows' real tokens packed into one sequence with cu_seqlens, each
-        row from its own initial state to its own final state, in one call."""
-        import torch
-
-        lengths = torch.tensor(layout.lengths, device=query.device)
-        keep = (torch.arange(query.shape[1], device=query.device)[None, :] < lengths[:, None]).flatten()
-        flat = keep.nonzero().squeeze(1)
-
-        def pack(x):
-            return x.reshape(-1, *x.shape[2:]).index_select(0, flat).unsqueeze(0)
-
-        cu = torch.zeros(len(layout.lengths) + 1, dtype=torch.long, device=query.device)
-        cu[1:] = torch.cumsum(lengths, 0)
-        kwargs = {**kwargs, "cu_seqlens": cu}
-        o, finals = inner(pack(query), pack(key), pack(value), pack(g), pack(beta), *args,
-                          initial_state=initial_state, output_final_state=True, **kwargs)
-        outs = o.new_zeros((query.shape[0] * query.shape[1],) + tuple(o.shape[2:]))
-        outs.index_copy_(0, flat, o[0])
-        return outs.reshape(query.shape[0], query.shape[1], *o.shape[2:]), finals
-
-    @functools.wraps(inner)
-    def chunk_per_row(query, key, value, g, beta, *args, initial_state=None, output_final_state=False, **kwargs):
-        layout = current_layout()
-        if layout is None or not layout.per_row_states or query.shape[0] != len(layout.lengths):
-            return inner(query, key, value, g, beta, *args, initial_state=initial_state,
-                         output_final_state=output_final_state, **kwargs)
-        if packed["ok"]:
-            try:
-                return rows_packed(layout, query, key, value, g, beta, args, initial_state, kwargs)
-            except Exception as exc:  # noqa: BLE001 - the per-row calls give the same states, more slowly
-                packed["ok"] = False
-                log.warning("packed gated delta rule failed (%s: %s); rows run one by one", type(exc).__name__, exc)
-        return rows_alone(layout, query, key, value, g, beta, args, initial_state, kwargs)
 
     chunk_per_row._openjev_per_row = True
     return chunk_per_row
@@ -339,10 +311,11 @@ class PrefixEngine:
         from openjev.engine.scheduler import StepResult, length_groups
 
         n = len(rows)
-        # a state leaves at least the last token to run; a row ending in the pad id runs whole, so that
-        # Transformers pools the same token as for the exact forward (its rightmost non-pad token)
+        # a row's last state is the last chunk boundary before its last token (its tail, 1 to 64 tokens,
+        # always runs); a row ending in the pad id runs whole, so that Transformers pools the same
+        # token as for the exact forward (its rightmost non-pad token)
         pad = self.clf.pad_token_id
-        limits = [len(r) - 1 if r[-1] != pad else 0 for r in rows]
+        limits = [(len(r) - 1) // GDN_CHUNK * GDN_CHUNK if r[-1] != pad else 0 for r in rows]
         best = [self.cache.longest(r, limit) if self.cache is not None and limit > 0 else None
                 for r, limit in zip(rows, limits)]
         floors = [s.length if s is not None else 0 for s in best]
@@ -392,7 +365,7 @@ class PrefixEngine:
                 for i, st in zip(body, states):
                     self.cache.put(rows[i][:limits[i]], st)
                     best[i] = st
-            out, _ = forward([(best[i], rows[i][limits[i]:]) for i in range(n)], False, max(max_rows, LAST_TOKEN_ROWS))
+            out, _ = forward([(best[i], rows[i][limits[i]:]) for i in range(n)], False, max(max_rows, TAIL_ROWS))
         torch = self.forwards.torch
         with torch.inference_mode():
             logits = torch.stack(out).float().cpu().numpy().astype(np.float32, copy=False)
