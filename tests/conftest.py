@@ -42,13 +42,14 @@ for p in (str(APP), str(REPO / "benchmarks"), str(REPO)):
 SLOW_MODULES = {
     "test_bench_scheduled", "test_deployment", "test_deployment_multihost", "test_embedded_gpu_divergence",
     "test_embedded_gpu_variants", "test_fused", "test_kernels", "test_make_tiny_model", "test_run_demo",
+    "test_runbook_rehearsal",
     "test_score_reference", "test_serve_transformers", "test_serving_front", "test_sglang_cpu_engine",
     "test_sglang_divergence", "test_sglang_routes_front", "test_tune_sglang",
 }
 SLOW_FIXTURES = {"tiny_model", "overlay", "sample_tokens", "reference", "server"}
 # Run alone, after the parallel part of `make test`: HAProxy under systemd-socket-activate with timed
 # start-up (beside another worker's load the gateway tests reset connections).
-SERIAL_MODULES = {"test_deployment", "test_deployment_multihost"}
+SERIAL_MODULES = {"test_deployment", "test_deployment_multihost", "test_runbook_rehearsal"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,6 +12,7 @@ from functools import lru_cache
 
 import pytest
 from _runbook import REPO, commands, script_calls, step_blocks
+from test_runbook_rehearsal import REFUSALS, REWRITTEN, SUBSTITUTIONS
 
 BLOCKS = step_blocks()
 CALLS = sorted({(script, flag) for blocks in BLOCKS.values() for block in blocks
@@ -48,3 +49,11 @@ def test_repository_files_the_blocks_name_exist():
     named = {token for blocks in BLOCKS.values() for block in blocks for cmd in commands(block) for token in cmd
              if token.startswith(("data/", "app/", "deploy/")) and "*" not in token}
     assert named and all((REPO / t).exists() for t in named), sorted(t for t in named if not (REPO / t).exists())
+
+
+def test_the_rehearsals_substitutions_name_text_the_runbook_has():
+    """tests/test_runbook_rehearsal.py replaces only text that is there, each time saying why."""
+    for step, old, _, why in SUBSTITUTIONS:
+        assert why and old in "".join(BLOCKS[step]), (step, old)
+    assert all(index < len(BLOCKS[step]) for step, index in REFUSALS)
+    assert all(why for _, why in REWRITTEN)
