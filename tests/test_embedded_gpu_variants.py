@@ -43,7 +43,7 @@ def test_server_cuts_and_a_profile(overlay, sample_tokens, tmp_path):
     """--grouping dp forms the forwards as the embedded server cuts a step (least padding over the
     whole set); --profile adds torch.profiler tables of one pass."""
     from openjev.common import read_tokens
-    from openjev.engine.scheduler import length_groups
+    from openjev.engine.batching import length_groups
 
     out = tmp_path / "v"
     proc = variants(overlay, sample_tokens, out, "exact_async,padded_nocache", "--grouping", "dp", "--profile")

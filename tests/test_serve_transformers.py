@@ -224,7 +224,7 @@ def test_padded_batching_agrees_within_float32_tolerance(overlay, sample_tokens,
         info = requests.get(f"{srv.url}/server_info").json()
     finally:
         srv.stop()
-    from openjev.engine.scheduler import length_groups
+    from openjev.engine.batching import length_groups
 
     groups = length_groups([len(r) for r in rows], 8)  # one step: the whole request fits the budget
     forwards, padded = len(groups), sum(max(len(rows[i]) for i in g) * len(g) for g in groups)

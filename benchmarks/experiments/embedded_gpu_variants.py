@@ -179,7 +179,7 @@ def main() -> int:
     from openjev.engine.fused import apply_fused, remove_fused
     from openjev.engine.flops import measure_matmul_peak, model_flops
     from openjev.engine.kernels import compile_pointwise, kernel_path, path_label
-    from openjev.engine.scheduler import length_groups
+    from openjev.engine.batching import length_groups
     from openjev.engine.warmup import warm_up
 
     res: dict = {"kind": "openjev-embedded-gpu-variants", "made_by": "benchmarks/experiments/embedded_gpu_variants.py",

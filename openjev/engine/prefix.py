@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from openjev.engine.batching import StepResult, length_groups
+
 log = logging.getLogger("openjev.prefix")
 DEFAULT_MIN_TOKENS = 32
 COUNTS = ("hits", "misses", "inserted", "evicted", "tokens_reused", "flushes")
@@ -308,7 +310,6 @@ class PrefixEngine:
         return {"min_shared_tokens": self.min_tokens, "cache": self.cache.stats() if self.cache is not None else None}
 
     def run_step(self, rows: list[list[int]], max_rows: int) -> StepResult:
-        from openjev.engine.scheduler import StepResult, length_groups
 
         n = len(rows)
         # a row's last state is the last chunk boundary before its last token (its tail, 1 to 64 tokens,
