@@ -78,15 +78,21 @@ class PrefixCache:
         """The cached state of the longest prefix of `row` of at most `limit` tokens, or None."""
         arr = np.asarray(row, dtype=np.int64)
         with self._lock:
-            for n in sorted((n for n in self.lengths if n <= limit), reverse=True):
-                key = prefix_key(arr[:n])
-                state = self.entries.get(key)
-                if state is not None:
-                    self.entries.move_to_end(key)
-                    self.counts.update(hits=1, tokens_reused=n)
-                    return state
-            self.counts["misses"] += 1
-            return None
+            # one pass over the row: the hash of each cached length's prefix, shortest first
+            h, done, found = hashlib.blake2b(digest_size=16), 0, None
+            for n in sorted(n for n in self.lengths if n <= limit):
+                h.update(arr[done:n].tobytes())
+                done = n
+                key = h.copy().digest() + n.to_bytes(4, "little")
+                if key in self.entries:
+                    found = key, n
+            if found is None:
+                self.counts["misses"] += 1
+                return None
+            key, n = found
+            self.entries.move_to_end(key)
+            self.counts.update(hits=1, tokens_reused=n)
+            return self.entries[key]
 
     def put(self, tokens, state: PrefixState) -> None:
         size = state.nbytes
