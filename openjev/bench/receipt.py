@@ -112,8 +112,11 @@ def print_summary(r: dict, out: Path) -> None:
         excl = f"valid (GPU {ex['gpu_index']}, {ex['samples']} samples every {ex['interval_s']} s)"
     else:
         excl = f"INVALID: {ex['reason']}"
+    server = r.get("server") or {}
+    info = server.get("info_after") or server.get("info_before") or {}
     rows = [
         ("machine", r["machine"]),
+        ("server", f"{info.get('backend', 'n/a')}, serving path {info.get('serving_path') or 'n/a'}"),
         ("mode", mode + (" (flush before every pass)" if sec.get("flush_cache_before_each_pass") else "")),
         ("passes", passes_done_text(sec)),
         ("median wall", f"{f(t.get('median_wall_s'), '.3f')} s  (initial pass {f(t.get('initial_pass_wall_s'), '.3f')} s)"),
