@@ -288,9 +288,9 @@ class Engine:
         c.reused_tokens += done.reused_tokens
         logits = done.logits
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("step %d: %d rows of %d requests, %d tokens (%d computed), %d forwards, %d padded tokens, "
-                      "%.1f ms", c.steps, len(rows), len({id(j) for j, _ in picked}), sum(map(len, rows)),
-                      done.computed_tokens, done.forwards, done.padded_tokens, elapsed * 1e3)
+            log.debug("step %d: %d rows of %d requests, %d tokens, %d forwards, %d padded tokens, %d computed "
+                      "tokens, %.1f ms", c.steps, len(rows), len({id(j) for j, _ in picked}), sum(map(len, rows)),
+                      done.forwards, done.padded_tokens, done.computed_tokens, elapsed * 1e3)
         if self.metrics:
             self.metrics.step_seconds.observe(elapsed)
             self.metrics.step_rows.observe(len(rows))
