@@ -23,6 +23,7 @@ import requests
 from conftest import start_server, token_rows
 
 from openjev import http_front as http_front
+from openjev.engine import batching
 from openjev.engine import scheduler as engine_scheduler
 
 LABELS = ["contradiction", "entailment", "neutral"]
@@ -531,25 +532,25 @@ def test_plan_step_serves_a_later_small_request_in_the_next_step():
 def test_length_groups_and_thread_policy():
     # sorted 1 2 3 4 5 in runs of at most 2: [1] [2 3] [4 5] and [1 2] [3 4] [5] cost the same
     # (3 forwards, 17 padded tokens); the tie keeps the earlier cut
-    assert engine_scheduler.length_groups([5, 1, 3, 2, 4], 2) == [[1], [3, 2], [4, 0]]
+    assert batching.length_groups([5, 1, 3, 2, 4], 2) == [[1], [3, 2], [4, 0]]
     # short and long rows are not padded together when a forward costs less than the padding
     short_long = [100] * 8 + [1000] * 8
-    assert engine_scheduler.length_groups(short_long, 16) == [list(range(8)), list(range(8, 16))]
-    assert engine_scheduler.length_groups(short_long, 16, forward_cost=10**6) == [list(range(16))]  # fewest forwards
+    assert batching.length_groups(short_long, 16) == [list(range(8)), list(range(8, 16))]
+    assert batching.length_groups(short_long, 16, forward_cost=10**6) == [list(range(16))]  # fewest forwards
     import random
 
     rng = random.Random(14)
     for _ in range(300):
         lengths = [rng.randint(1, 1500) for _ in range(rng.randint(1, 70))]
         rows = rng.randint(1, 17)
-        groups = engine_scheduler.length_groups(lengths, rows)
+        groups = batching.length_groups(lengths, rows)
         flat = [i for g in groups for i in g]
         assert sorted(flat) == list(range(len(lengths))) and all(1 <= len(g) <= rows for g in groups)
         assert [lengths[i] for i in flat] == sorted(lengths)  # consecutive runs of the sorted rows
         fixed = [sorted(range(len(lengths)), key=lambda i: lengths[i])[s:s + rows] for s in range(0, len(lengths), rows)]
 
         def cost(gs):
-            return sum(max(lengths[i] for i in g) * len(g) + engine_scheduler.FORWARD_COST_TOKENS for g in gs)
+            return sum(max(lengths[i] for i in g) * len(g) + batching.FORWARD_COST_TOKENS for g in gs)
 
         assert cost(groups) <= cost(fixed)  # never worse than fixed-size cuts
     assert engine_scheduler.auto_torch_threads(2, "cpu") == 1 and engine_scheduler.auto_torch_threads(1, "cpu") == 1

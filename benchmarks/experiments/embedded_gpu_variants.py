@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=2, help="timed passes per padded variant after one untimed")
     p.add_argument("--grouping", default="budget", choices=["budget", "dp"],
                    help="budget: consecutive length-sorted rows while rows x longest <= --budget; dp: the embedded "
-                        "server's least-padding cuts over the whole set (openjev.engine.scheduler.length_groups, "
+                        "server's least-padding cuts over the whole set (openjev.engine.batching.length_groups, "
                         "--budget ignored) (default: budget)")
     p.add_argument("--profile", action="store_true",
                    help="after each padded variant, torch.profiler tables of one pass at the largest --rows "
