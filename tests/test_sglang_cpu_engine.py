@@ -1,7 +1,8 @@
 """The adapter inside SGLang 0.5.23's real CPU engine, over HTTP on 127.0.0.1.
 
 One engine per module (`python -m sglang_openjev_cpu.serve`, SGLANG_USE_CPU_ENGINE=1, bfloat16,
-radix cache on, `--chunked-prefill-size 32`) on a random-weight tiny-gdn64 classifier (GDN key/value
+radix cache on, `--chunked-prefill-size 32`, `--sleep-on-idle`: an idle scheduler otherwise spins a whole
+core, which the rest of the module needs) on a random-weight tiny-gdn64 classifier (GDN key/value
 head dim 64, the smallest the CPU GDN kernels take). The CPU ops are the project's pure-PyTorch
 stand-ins (openjev_testsupport.sgl_kernel_cpu_standin), because sgl-kernel's CPU library cannot be
 installed in CI; with OPENJEV_SGL_CPU_OPS=/path/to/common_ops.so in the environment the same tests
@@ -117,7 +118,8 @@ class Engine:
         if call_log is not None:
             env["OPENJEV_STANDIN_CALL_LOG"] = str(call_log)
         cmd = [PY, "-m", "sglang_openjev_cpu.serve", "--model-path", str(model), "--host", "127.0.0.1",
-               "--port", str(self.port), "--dtype", "bfloat16", "--disable-overlap-schedule", *flags]
+               "--port", str(self.port), "--dtype", "bfloat16", "--disable-overlap-schedule", "--sleep-on-idle",
+               *flags]
         self.fh = open(log, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self.fh, stderr=subprocess.STDOUT, cwd=REPO, env=env,
                                      start_new_session=True)
@@ -214,16 +216,17 @@ def references(model, rows, work) -> dict:
     out = {}
     for dtype in ("float32", "bfloat16"):
         run("score_reference.py", "--model", model, "--tokens", work / "all.tokens.jsonl", "--out",
-            work / f"ref_{dtype}", "--device", "cpu", "--dtype", dtype)
+            work / f"ref_{dtype}", "--device", "cpu", "--dtype", dtype, "--no-peak")
         out[dtype] = np.load(work / f"ref_{dtype}" / "reference.npy")
     return out
 
 
 @pytest.fixture(scope="module")
-def engine(model, work):
+def engine(model, work, request):
     eng = Engine(model, work / "engine.log", "--chunked-prefill-size", str(CHUNK), "--max-running-requests", "8",
                  call_log=work / "standin_calls.log")
     try:
+        request.getfixturevalue("references")  # made while the engine loads
         eng.startup_s = eng.wait_healthy()
         yield eng
     finally:
