@@ -21,6 +21,8 @@ SGLANG_TESTS := tests/test_sglang_openjev.py tests/test_serve_sglang_v100.py
 # None at present.
 # Modules run only in one version's venv: 0.5.23's real CPU engine with the adapter (the CPU
 # ops are openjev_testsupport's stand-ins, sgl-kernel's CPU library cannot be installed here).
+# They go first, in a worker of their own (--no-loadscope-reorder: xdist would queue the module with
+# the fewest tests last, behind another module on one worker).
 SGLANG_EXTRA_TESTS_0.5.23 := tests/test_sglang_cpu_engine.py
 
 .PHONY: provision sglang-venvs test-sglang
@@ -65,7 +67,8 @@ test-sglang: sglang-venvs
 	  extra=""; $(foreach v,$(OPENJEV_SGLANG_VERSIONS),$(if $(SGLANG_EXTRA_TESTS_$(v)),if [ $$v = $(v) ]; then \
 	    extra="$(SGLANG_EXTRA_TESTS_$(v))"; echo "   and on $(v) only: $(SGLANG_EXTRA_TESTS_$(v))"; fi;)) \
 	  start=$$(date +%s); \
-	  OPENJEV_REQUIRE_SGLANG=1 build/sglang-venvs/$$v/bin/python -m pytest -rs -p no:cacheprovider -n auto --dist loadfile $$deselect $(SGLANG_TESTS) $$extra || exit 1; \
+	  OPENJEV_REQUIRE_SGLANG=1 build/sglang-venvs/$$v/bin/python -m pytest -rs -p no:cacheprovider -n auto --dist loadfile \
+	    --no-loadscope-reorder $$deselect $$extra $(SGLANG_TESTS) || exit 1; \
 	  echo "== real SGLang $$v: done in $$(( $$(date +%s) - start )) s"; \
 	done
 
