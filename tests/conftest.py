@@ -1,8 +1,8 @@
 """Shared fixtures: real scripts run as subprocesses, real servers on 127.0.0.1, real files.
 
-The tiny random-weight classifier is built once per test session with app/make_tiny_model.py
-and every fixture above it (overlay, token file, reference, server) goes through the same
-scripts an operator runs.
+The tiny random-weight classifier is built once per test run (pytest-xdist's workers share it) with
+app/make_tiny_model.py and every fixture above it (overlay, token file, reference, server) goes through
+the same scripts an operator runs.
 """
 
 from __future__ import annotations
@@ -139,34 +139,53 @@ def tree_digest(root: Path) -> dict[str, tuple]:
 
 
 # ---------------------------------------------------------------- model, overlay, tokens, reference
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """A new directory that build(directory) fills; under pytest-xdist one build per run, not one per worker:
+    the first worker builds in the run's shared temporary directory (under a lock), the others reuse it."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        base = tmp_path_factory.mktemp(name)
+        build(base)
+        return base
+    import fcntl
+
+    shared = tmp_path_factory.getbasetemp().parent  # pytest-N/, above each worker's popen-gwK/
+    base, done = shared / f"shared-{name}", shared / f"shared-{name}.done"
+    with open(shared / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(base, ignore_errors=True)  # what a worker whose build failed left
+            base.mkdir()
+            build(base)
+            done.touch()
+    return base
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> dict:
-    base = tmp_path_factory.mktemp("tiny")
-    run_script("make_tiny_model.py", base / "checkpoint", "--processor-out", base / "processor", check=True)
+    base = built_once(tmp_path_factory, "tiny", lambda d: run_script(
+        "make_tiny_model.py", d / "checkpoint", "--processor-out", d / "processor", check=True))
     return {"checkpoint": base / "checkpoint", "processor": base / "processor"}
 
 
 @pytest.fixture(scope="session")
 def overlay(tiny_model, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("overlay") / "model"
-    run_script("prepare_v100_model.py", tiny_model["checkpoint"], out, "--processor-dir", tiny_model["processor"],
-               "--allow-unpinned", check=True)
-    return out
+    return built_once(tmp_path_factory, "overlay", lambda d: run_script(
+        "prepare_v100_model.py", tiny_model["checkpoint"], d / "model", "--processor-dir", tiny_model["processor"],
+        "--allow-unpinned", check=True)) / "model"
 
 
 @pytest.fixture(scope="session")
 def sample_tokens(overlay, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tokens") / "sample.tokens.jsonl"
-    run_script("tokenize_nli.py", "--model", overlay, "--inputs", SAMPLE, "--out", out, check=True)
-    return out
+    return built_once(tmp_path_factory, "tokens", lambda d: run_script(
+        "tokenize_nli.py", "--model", overlay, "--inputs", SAMPLE, "--out", d / "sample.tokens.jsonl",
+        check=True)) / "sample.tokens.jsonl"
 
 
 @pytest.fixture(scope="session")
 def reference(overlay, sample_tokens, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("ref") / "reference"
-    run_script("score_reference.py", "--model", overlay, "--tokens", sample_tokens, "--inputs", SAMPLE,
-               "--out", out, check=True)
-    return out
+    return built_once(tmp_path_factory, "ref", lambda d: run_script(
+        "score_reference.py", "--model", overlay, "--tokens", sample_tokens, "--inputs", SAMPLE, "--out",
+        d / "reference", check=True)) / "reference"
 
 
 def token_rows(path: Path) -> tuple[list[str], list[list[int]]]:
