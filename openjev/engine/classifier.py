@@ -38,7 +38,6 @@ from sglang_openjev.contract import check_label_order
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 
 
-
 @dataclass(frozen=True)
 class PaddedLayout:
     """The right-padded forward running in this thread: each row's real length, and for rows that go
@@ -240,21 +239,14 @@ def rowwise_attention() -> str:
 
     def sdpa_rowwise(module, query, key, value, attention_mask, **kwargs):
         layout = _LAYOUT.get()
-        if layout is None or query.shape[0] != len(layout.lengths):
+        off = layout.offset if layout is not None else 0
+        if layout is None or query.shape[0] != len(layout.lengths) or key.shape[2] != off + query.shape[2]:
             return inner(module, query, key, value, attention_mask, **kwargs)
-        if not any(layout.starts or ()):
-            if query.shape[2] != key.shape[2]:
-                return inner(module, query, key, value, attention_mask, **kwargs)
-            out = query.new_zeros((query.shape[0], query.shape[2], query.shape[1], value.shape[-1]))
-            for j, n in enumerate(layout.lengths):
-                row, _ = inner(module, query[j:j + 1, :, :n], key[j:j + 1, :, :n], value[j:j + 1, :, :n], None, **kwargs)
-                out[j:j + 1, :n] = row
-            return out, None
-        if query.shape[2] == 1:  # one new token a row: one call, the left-padded prefix keys masked out
+        starts = layout.starts or (0,) * len(layout.lengths)
+        if off and query.shape[2] == 1:  # one new token a row: one call, the left-padded prefix keys masked out
             return inner(module, query, key, value, attention_mask, **kwargs)
         out = query.new_zeros((query.shape[0], query.shape[2], query.shape[1], value.shape[-1]))
-        off = layout.offset
-        for j, (n, p) in enumerate(zip(layout.lengths, layout.starts)):
+        for j, (n, p) in enumerate(zip(layout.lengths, starts)):
             q, k, v = query[j:j + 1, :, :n], key[j:j + 1, :, off - p: off + n], value[j:j + 1, :, off - p: off + n]
             row = inner(module, q, k, v, None, **kwargs)[0] if p == 0 else _attend_after_prefix(module, q, k, v, **kwargs)
             out[j:j + 1, :n] = row
