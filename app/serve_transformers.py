@@ -39,6 +39,7 @@ import threading
 from pathlib import Path
 
 from openjev.common import UserError, bind_listen_socket, run_main
+from openjev.engine.prefix import DEFAULT_MIN_TOKENS
 from openjev.engine.scheduler import Engine
 
 DRAIN_ANSWER_SECONDS = 2  # after the drain window: time to write the 503s before uvicorn cancels handlers
@@ -87,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-mb", type=int, default=_env_int("OPENJEV_PREFIX_CACHE_MB", 4096),
                    help="with --prefix-reuse: device memory for cached prefix states, least recently used dropped "
                         "first; 0 shares prefixes within a step only (default: 4096, env OPENJEV_PREFIX_CACHE_MB)")
-    p.add_argument("--prefix-min-tokens", type=int, default=32,
-                   help="with --prefix-reuse: the shortest shared prefix run once for several rows (default: 32)")
+    p.add_argument("--prefix-min-tokens", type=int, default=DEFAULT_MIN_TOKENS,
+                   help="with --prefix-reuse: the shortest shared prefix run once for several rows (default: "
+                        f"{DEFAULT_MIN_TOKENS})")
     p.add_argument("--served-model-name", default=None, help="model name in responses (default: the checkpoint directory name)")
     p.add_argument("--step-token-budget", type=int, default=_env_int("OPENJEV_STEP_TOKEN_BUDGET", 16384),
                    help="tokens per scheduling step: a larger request is split over steps, the requests served the "

@@ -309,14 +309,10 @@ class PrefixEngine:
         self.cache = PrefixCache(budget_bytes) if budget_bytes > 0 else None
         self.min_tokens = min_tokens
 
-    def flush(self) -> int:
-        return self.cache.clear() if self.cache is not None else 0
-
     def stats(self) -> dict:
         return {"min_shared_tokens": self.min_tokens, "cache": self.cache.stats() if self.cache is not None else None}
 
     def run_step(self, rows: list[list[int]], max_rows: int) -> StepResult:
-
         n = len(rows)
         # a row's last state is the last chunk boundary before its last token (its tail, 1 to 64 tokens,
         # always runs); a row ending in the pad id runs whole, so that Transformers pools the same
@@ -325,7 +321,11 @@ class PrefixEngine:
         limits = [(len(r) - 1) // GDN_CHUNK * GDN_CHUNK if r[-1] != pad else 0 for r in rows]
         best = [self.cache.longest(r, limit) if self.cache is not None and limit > 0 else None
                 for r, limit in zip(rows, limits)]
-        floors = [s.length if s is not None else 0 for s in best]
+
+        def have(i: int) -> int:  # tokens of row i its best state already holds
+            return best[i].length if best[i] is not None else 0
+
+        floors = [have(i) for i in range(n)]
         stats = {"forwards": 0, "computed": 0, "padded": 0}
 
         def forward(items, want_states, rows_cap=max_rows):
@@ -344,30 +344,25 @@ class PrefixEngine:
 
         # shared prefixes of this step, each run once from the longest cached state of it
         shared = shared_prefixes(rows, floors, limits, self.min_tokens)
+        keys = {i: prefix_key(rows[i][:length]) for i, length in shared.items()}
         prefixes: dict[bytes, tuple[int, int]] = {}  # key -> (a row holding it, its length)
         for i, length in shared.items():
-            prefixes.setdefault(prefix_key(rows[i][:length]), (i, length))
+            prefixes.setdefault(keys[i], (i, length))
         if prefixes:
-            plan = list(prefixes.values())
-            items = []
-            for i, length in plan:
-                start = best[i] if best[i] is not None and best[i].length <= length else None
-                s0 = start.length if start is not None else 0
-                items.append((start, rows[i][s0:length]))
-            _, states = forward(items, True)
-            made = {key: st for key, st in zip(prefixes, states)}
-            for (i, length), st in zip(plan, states):
-                if self.cache is not None:
+            plan = list(prefixes.values())  # each from its row's cached state, shorter than the prefix
+            _, states = forward([(best[i], rows[i][have(i):length]) for i, length in plan], True)
+            made = dict(zip(prefixes, states))
+            if self.cache is not None:
+                for (i, length), st in zip(plan, states):
                     self.cache.put(rows[i][:length], st)
-            for i, length in shared.items():
-                best[i] = made[prefix_key(rows[i][:length])]
+            for i in shared:
+                best[i] = made[keys[i]]
         if self.cache is None:
-            items = [(best[i], rows[i][(best[i].length if best[i] is not None else 0):]) for i in range(n)]
-            out, _ = forward(items, False)
+            out, _ = forward([(best[i], rows[i][have(i):]) for i in range(n)], False)
         else:
-            body = [i for i in range(n) if (best[i].length if best[i] is not None else 0) < limits[i]]
+            body = [i for i in range(n) if have(i) < limits[i]]
             if body:
-                items = [(best[i], rows[i][(best[i].length if best[i] is not None else 0): limits[i]]) for i in body]
+                items = [(best[i], rows[i][have(i): limits[i]]) for i in body]
                 _, states = forward(items, True)
                 for i, st in zip(body, states):
                     self.cache.put(rows[i][:limits[i]], st)

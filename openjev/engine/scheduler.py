@@ -307,10 +307,15 @@ class Engine:
                     self._retire(job)
                     job.loop.call_soon_threadsafe(_set_result, job.future, job.results)
 
+    @property
+    def prefix_cache(self):
+        """The cross-request prefix cache (openjev/engine/prefix.py PrefixCache), or None."""
+        return self.prefix.cache if self.prefix is not None else None
+
     def flush_cache(self) -> dict:
         """POST /flush_cache: drop the cached prefix states (with --prefix-reuse); counted either way."""
         self.counters.flush_cache_calls += 1
-        cache = self.prefix.cache if self.prefix is not None else None
+        cache = self.prefix_cache
         if cache is None:
             why = ("prefix reuse runs without a cache (--prefix-cache-mb 0)" if self.prefix is not None
                    else "no prefix cache without --prefix-reuse")
@@ -322,7 +327,7 @@ class Engine:
                 "flush_cache_calls": self.counters.flush_cache_calls}
 
     def prefix_cache_stat(self, key: str) -> float:
-        cache = self.prefix.cache if self.prefix is not None else None
+        cache = self.prefix_cache
         return float(cache.stats()[key]) if cache is not None else 0.0
 
     def serving_path(self) -> str:
@@ -344,7 +349,7 @@ class Engine:
             context_length=self.args.context_length,
             schedule_policy="fcfs", requested_schedule_policy=self.args.schedule_policy,
             max_running_requests=self.args.max_running_requests, max_batch_size=self.args.max_batch_size,
-            radix_cache=self.prefix is not None and self.prefix.cache is not None, mamba_scheduler_strategy=None, mamba_full_memory_ratio=None,
+            radix_cache=self.prefix_cache is not None, mamba_scheduler_strategy=None, mamba_full_memory_ratio=None,
             attention_backend=f"transformers-{clf.model.config._attn_implementation}" if clf else None,
             batching=self.batching if clf else None,
             scheduler={"kind": "token-budget fair share (fewest tokens served first), rows grouped by length "
