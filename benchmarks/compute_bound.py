@@ -20,6 +20,7 @@ import argparse
 import json
 from pathlib import Path
 
+from openjev.bench.receipt import server_snapshot
 from openjev.common import UserError, atomic_write_json, run_main
 
 
@@ -68,7 +69,7 @@ def main() -> int:
     bound["timing_mode"] = mode
     bound["measured_by"] = "benchmarks/compute_bound.py, right after the bench on the same machine"
     server = receipt.get("server") or {}
-    info = server.get("info_after") or server.get("info_before") or {}
+    info = server_snapshot(server)
     share = computed_share(server)
     if share is not None:  # with prefix reuse the forwards run fewer tokens than the set holds
         computed = round(tokens * share)

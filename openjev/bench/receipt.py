@@ -94,6 +94,11 @@ def passes_done_text(sec: dict) -> str:
     return f"{done}/{planned} done ({initial} initial + {measured} of {planned - 1} measured)"
 
 
+def server_snapshot(server: dict) -> dict:
+    """The bench's latest /server_info snapshot of a receipt's "server" block (after the run, else before)."""
+    return server.get("info_after") or server.get("info_before") or {}
+
+
 def print_summary(r: dict, out: Path) -> None:
     mode = r["mode"]
     sec = r.get(mode) or {}
@@ -112,8 +117,7 @@ def print_summary(r: dict, out: Path) -> None:
         excl = f"valid (GPU {ex['gpu_index']}, {ex['samples']} samples every {ex['interval_s']} s)"
     else:
         excl = f"INVALID: {ex['reason']}"
-    server = r.get("server") or {}
-    info = server.get("info_after") or server.get("info_before") or {}
+    info = server_snapshot(r.get("server") or {})
     rows = [
         ("machine", r["machine"]),
         ("server", f"{info.get('backend', 'n/a')}, serving path {info.get('serving_path') or 'n/a'}"),
