@@ -114,6 +114,10 @@ bench() {  # NAME SET PORT PID [bench flags...]
   return 0
 }
 
+server_info() {  # PORT: the server's /server_info, indented, on stdout (errors too, for the record)
+  "$PY" -c "import json,requests; print(json.dumps(requests.get('http://127.0.0.1:$1/server_info',timeout=10).json(), indent=1, default=str))" 2>&1
+}
+
 run_sglang() {  # TAG MODES [serve flags...]: one server, every set in SETS, MODES "flushed warm" or "uncached"
   local tag=$1 modes=$2 port pid s m
   shift 2
@@ -126,8 +130,7 @@ run_sglang() {  # TAG MODES [serve flags...]: one server, every set in SETS, MOD
   local t0=$SECONDS
   wait_healthy "$pid" "$port" "$R/sglang_$tag.server.log" || { kill "$pid"; return 1; }
   echo "sglang_$tag healthy after $((SECONDS - t0)) s" | tee -a "$R/startup.txt"
-  "$PY" -c "import json,requests; print(json.dumps(requests.get('http://127.0.0.1:$port/server_info',timeout=10).json(), indent=1, default=str))" \
-    >"$R/sglang_$tag.server_info.json" 2>&1
+  server_info "$port" >"$R/sglang_$tag.server_info.json"
   for s in $SETS; do
     for m in $modes; do
       case $m in
@@ -229,15 +232,14 @@ stage_embedded_prefix() {  # the embedded backend with --prefix-reuse: per set, 
     bench "embedded_prefix_${s}_flushed" "$s" "$port" "$pid" --cold-cache
     bench "embedded_prefix_${s}_warm" "$s" "$port" "$pid"
   done
-  "$PY" -c "import json,requests; print(json.dumps(requests.get('http://127.0.0.1:$port/server_info',timeout=10).json(), indent=1, default=str))" \
-    >"$R/embedded_prefix.server_info.json" 2>&1
+  server_info "$port" >"$R/embedded_prefix.server_info.json"
   kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
   return 0
 }
 
 export REPO PY W R SITE SETS REPS SHAPE MODEL LABEL SGLANG_ARGS VARIANT_ARGS VARIANT_ENV VARIANT_TAG VARIANT_MODES
 export TUNE_SETS TUNE_PROFILES TUNE_DEADLINE TO PACK PREFIX_CACHE_MB
-export -f log code pack free_port set_path wait_healthy bench run_sglang stage_setup stage_prep stage_sglang_cache \
+export -f log code pack free_port set_path wait_healthy bench server_info run_sglang stage_setup stage_prep stage_sglang_cache \
   stage_sglang_uncached stage_ssm_fp16 stage_embedded stage_embedded_prefix stage_variant stage_native_ops stage_divergence stage_tune
 # shellcheck disable=SC2086 # STAGES is a word list
 run_stages ${STAGES:-setup prep sglang_cache sglang_uncached embedded}
