@@ -146,12 +146,11 @@ def built_once(tmp_path_factory, name: str, build) -> Path:
         base = tmp_path_factory.mktemp(name)
         build(base)
         return base
-    import fcntl
+    from filelock import FileLock
 
     shared = tmp_path_factory.getbasetemp().parent  # pytest-N/, above each worker's popen-gwK/
     base, done = shared / f"shared-{name}", shared / f"shared-{name}.done"
-    with open(shared / f"shared-{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with FileLock(shared / f"shared-{name}.lock"):
         if not done.exists():
             shutil.rmtree(base, ignore_errors=True)  # what a worker whose build failed left
             base.mkdir()
