@@ -140,6 +140,10 @@ def prof_tables(fn, device, path: Path, rows=30):
         summary["device_share"] = {k: round(v / total, 3) for k, v in cats.items()}
         summary["top_device"] = sorted(([k, round(t, 1), c] for k, t, c in dev), key=lambda x: -x[1])[:25]
         summary["kernel_launches"] = sum(c for k, t, c in dev if t > 0)
+    # the code's own labelled ranges (torch.profiler.record_function "openjev.*"): totals with children
+    summary["ranges"] = {e.key: {"cpu_us": round(e.cpu_time_total, 1), "count": e.count,
+                                 "device_us": round(getattr(e, "device_time_total", 0), 1)}
+                         for e in ka if e.key.startswith("openjev.")}
     cpu = sorted(((e.key, e.self_cpu_time_total, e.count) for e in ka), key=lambda x: -x[1])[:25]
     summary["top_cpu"] = [[k, round(t, 1), c] for k, t, c in cpu]
     return summary

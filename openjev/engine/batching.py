@@ -47,3 +47,32 @@ def length_groups(lengths: list[int], max_rows: int, forward_cost: int = FORWARD
         groups.append(order[cut[n]:n])
         n = cut[n]
     return groups[::-1]
+
+
+def forward_rows(clf, rows: list[list[int]], batching: str, max_rows: int) -> StepResult:
+    """A step's rows without prefix reuse: exact forwards (one a row) or padded ones, cut by length
+    (length_groups), the padded forwards' logits copied to the host once for the step."""
+    import numpy as np
+
+    from openjev.engine.classifier import padded_logits, score_exact
+
+    logits = np.empty((len(rows), 3), dtype=np.float32)
+    queued = []  # padded forwards of this step, their logits still on the device
+    forwards = padded_tokens = 0
+    for idx in length_groups([len(r) for r in rows], max_rows):
+        group = [rows[i] for i in idx]
+        if batching == "exact" or clf.pad_token_id is None:
+            logits[idx] = score_exact(clf, group)
+            forwards += len(group)
+            padded_tokens += sum(map(len, group))
+        else:  # similar lengths together keep padding small
+            queued.append((idx, padded_logits(clf, group)))
+            forwards += 1
+            padded_tokens += max(map(len, group)) * len(group)
+    if queued:
+        import torch
+
+        with torch.inference_mode():
+            host = torch.cat([t for _, t in queued]).float().cpu().numpy()
+        logits[[i for idx, _ in queued for i in idx]] = host
+    return StepResult(logits, forwards, sum(map(len, rows)), padded_tokens, 0)

@@ -42,12 +42,14 @@ DTYPES = ("auto", "float16", "bfloat16", "float32")
 class PaddedLayout:
     """The right-padded forward running in this thread: each row's real length, and for rows that go
     on from a prefix state (openjev/engine/prefix.py) the prefix length and where the cached keys end
-    (prefixes are left-padded to `offset`); per_row_states asks for each row's own final GDN state."""
+    (prefixes are left-padded to `offset`); per_row_states asks for each row's own final GDN state,
+    `valid` (optional, [rows, width] bool on the device) marks the real tokens."""
 
     lengths: tuple
     starts: tuple | None = None
     offset: int = 0
     per_row_states: bool = False
+    valid: object = None
 
 
 _LAYOUT: contextvars.ContextVar = contextvars.ContextVar("openjev_padded_layout", default=None)
@@ -274,10 +276,10 @@ def _attend_after_prefix(module, query, key, value, scaling=None, **kwargs):
 
 
 @contextlib.contextmanager
-def padded_layout(lengths, starts=None, offset: int = 0, per_row_states: bool = False):
+def padded_layout(lengths, starts=None, offset: int = 0, per_row_states: bool = False, valid=None):
     """Declare the right-padded forward about to run in this thread (see PaddedLayout)."""
     token = _LAYOUT.set(PaddedLayout(tuple(int(n) for n in lengths), tuple(int(p) for p in starts) if starts else None,
-                                     int(offset), per_row_states))
+                                     int(offset), per_row_states, valid))
     try:
         yield
     finally:

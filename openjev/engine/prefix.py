@@ -5,10 +5,10 @@ The state after P tokens is what a Qwen3.5 forward needs to go on from there: pe
 the short convolution's last inputs and the recurrent state, per full-attention layer the keys and
 values of the P tokens. A continuation runs the unmodified model through Transformers' own cache
 object (DynamicCache of the model's config), 2-D attention mask and per-row position ids. While a
-continuation forward runs, two functions the model calls act row by row (the padded layout, see
-classifier.padded_layout): attention over each row's own keys (causal from the bottom right) and,
-where a row's end state is kept, the chunked gated delta rule, so right padding never runs into a
-state. Arithmetic: the prefix is summed apart from the rest, so logits are close to the exact
+continuation forward runs, two functions the model calls know the padded layout (see
+classifier.padded_layout): attention runs over each row's own keys (causal from the bottom right)
+and, where a row's end state is kept, the chunked gated delta rule sees the right padding as inert
+tokens (decay 1, no write), so padding never runs into a state. Arithmetic: the prefix is summed apart from the rest, so logits are close to the exact
 forward's, not bitwise (the agreement goal applies); the default path stays the exact one.
 
 A step: (1) every row looks up the longest cached prefix of itself; (2) rows of the step that share
@@ -202,13 +202,16 @@ class ContinuationForwards:
             ids[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
             mask[b, offset - start: offset + len(tokens)] = 1
             pos[b] = torch.arange(start, start + width)
-        cache = self._cache([s for s, _ in items], offset, want_states)
+        with torch.profiler.record_function("openjev.prefix.cache_build"):
+            cache = self._cache([s for s, _ in items], offset, want_states)
         gpu = str(dev).startswith("cuda")  # pinned and non-blocking: a plain copy would wait for queued forwards
         ids, mask, pos = ((t.pin_memory() if gpu else t).to(dev, non_blocking=gpu) for t in (ids, mask, pos))
-        with torch.inference_mode(), padded_layout(lengths, starts, offset, per_row_states=want_states):
+        valid = mask[:, offset:].bool() if want_states else None
+        with torch.inference_mode(), padded_layout(lengths, starts, offset, per_row_states=want_states, valid=valid):
             out = self.clf.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                                  past_key_values=cache, use_cache=True)
-            states = self._states(cache, starts, lengths, offset) if want_states else None
+            with torch.profiler.record_function("openjev.prefix.states"):
+                states = self._states(cache, starts, lengths, offset) if want_states else None
         return out.logits, states
 
     def _cache(self, starts: list, offset: int, record: bool):
@@ -258,46 +261,48 @@ class ContinuationForwards:
 
 def install_per_row_gdn(model) -> bool:
     """Wrap the chunked gated delta rule the model's Gated DeltaNet layers call (a module-level name
-    of Transformers' modeling module) so that, while a padded layout asks for per-row states, each
-    row runs alone over its real tokens from its own initial state: the final state is then the
-    row's, not one that ran on into the padding. Otherwise the wrapper passes the call through."""
+    of Transformers' modeling module, fla's kernel or its PyTorch fallback) so that, while a padded
+    layout asks for per-row states, each row's final state is its own, not one that ran on into the
+    padding (see padding_inert_chunk). Otherwise the wrapper passes the call through."""
     gdn = next((m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")), None)
     modeling = sys.modules.get(type(gdn).__module__) if gdn is not None else None
     inner = getattr(modeling, "torch_chunk_gated_delta_rule", None)
     if inner is None or getattr(inner, "_openjev_per_row", False):
         return inner is not None
-    modeling.torch_chunk_gated_delta_rule = per_row_chunk(inner)
+    modeling.torch_chunk_gated_delta_rule = padding_inert_chunk(inner)
     return True
 
 
-def per_row_chunk(inner):
-    """`inner` (the chunked gated delta rule) made to give each row of a right-padded batch its own
-    final state while the padded layout asks for it: one call per row over its real tokens, from its
-    own initial state, the call an exact forward of that row makes (fla's varlen form would be one
-    call, but it reads cu_seqlens back to the host every layer, which stalls the stream)."""
+def padding_inert_chunk(inner):
+    """`inner` (the chunked gated delta rule) made to carry each row's state unchanged through its right
+    padding while the padded layout asks for per-row states: one call for the batch with the decay
+    gate g and the write strength beta set to 0 on padded tokens. A token with g = 0 and beta = 0
+    multiplies the state by exp(0) = 1 and adds beta * k * (...) = 0, so the final state is the one
+    after the row's last real token; where the padding is whole 64-token chunks (every forward that
+    keeps states runs from chunk boundary to chunk boundary) the kernels' chunk arithmetic keeps it
+    bit for bit. Real tokens' outputs are those of the unmasked call (the rule is causal)."""
     from openjev.engine.classifier import current_layout
 
     @functools.wraps(inner)
-    def chunk_per_row(query, key, value, g, beta, *args, initial_state=None, output_final_state=False, **kwargs):
+    def chunk_with_inert_padding(query, key, value, g, beta, *args, initial_state=None,
+                                 output_final_state=False, **kwargs):
         layout = current_layout()
         if layout is None or not layout.per_row_states or query.shape[0] != len(layout.lengths):
             return inner(query, key, value, g, beta, *args, initial_state=initial_state,
                          output_final_state=output_final_state, **kwargs)
         import torch
 
-        outs, finals = None, []
-        for b, n in enumerate(layout.lengths):
-            o, s = inner(query[b:b + 1, :n], key[b:b + 1, :n], value[b:b + 1, :n], g[b:b + 1, :n], beta[b:b + 1, :n],
-                         *args, initial_state=None if initial_state is None else initial_state[b:b + 1],
-                         output_final_state=True, **kwargs)
-            if outs is None:
-                outs = o.new_zeros((query.shape[0], query.shape[1]) + tuple(o.shape[2:]))
-            outs[b:b + 1, :n] = o
-            finals.append(s)
-        return outs, torch.cat(finals)
+        width = query.shape[1]
+        valid = layout.valid
+        if valid is None or tuple(valid.shape) != (query.shape[0], width):
+            lengths = torch.tensor(layout.lengths, device=query.device)
+            valid = torch.arange(width, device=query.device)[None, :] < lengths[:, None]
+        real = valid.reshape(valid.shape + (1,) * (g.dim() - 2))
+        g, beta = torch.where(real, g, torch.zeros_like(g)), torch.where(real, beta, torch.zeros_like(beta))
+        return inner(query, key, value, g, beta, *args, initial_state=initial_state, output_final_state=True, **kwargs)
 
-    chunk_per_row._openjev_per_row = True
-    return chunk_per_row
+    chunk_with_inert_padding._openjev_per_row = True
+    return chunk_with_inert_padding
 
 
 class PrefixEngine:
@@ -328,11 +333,14 @@ class PrefixEngine:
         floors = [have(i) for i in range(n)]
         stats = {"forwards": 0, "computed": 0, "padded": 0}
 
-        def forward(items, want_states, rows_cap=max_rows):
+        torch = self.forwards.torch
+
+        def forward(phase, items, want_states, rows_cap=max_rows):
             logits_all, states_all = [None] * len(items), [None] * len(items)
             for idx in length_groups([len(t) for _, t in items], rows_cap):
                 group = [items[i] for i in idx]
-                logits, states = self.forwards.run(group, want_states)
+                with torch.profiler.record_function(f"openjev.prefix.{phase}"):
+                    logits, states = self.forwards.run(group, want_states)
                 stats["forwards"] += 1
                 stats["computed"] += sum(len(t) for _, t in group)
                 stats["padded"] += max(len(t) for _, t in group) * len(group)
@@ -350,7 +358,7 @@ class PrefixEngine:
             prefixes.setdefault(keys[i], (i, length))
         if prefixes:
             plan = list(prefixes.values())  # each from its row's cached state, shorter than the prefix
-            _, states = forward([(best[i], rows[i][have(i):length]) for i, length in plan], True)
+            _, states = forward("shared", [(best[i], rows[i][have(i):length]) for i, length in plan], True)
             made = dict(zip(prefixes, states))
             if self.cache is not None:
                 for (i, length), st in zip(plan, states):
@@ -358,17 +366,16 @@ class PrefixEngine:
             for i in shared:
                 best[i] = made[keys[i]]
         if self.cache is None:
-            out, _ = forward([(best[i], rows[i][have(i):]) for i in range(n)], False)
+            out, _ = forward("rows", [(best[i], rows[i][have(i):]) for i in range(n)], False)
         else:
             body = [i for i in range(n) if have(i) < limits[i]]
             if body:
                 items = [(best[i], rows[i][have(i): limits[i]]) for i in body]
-                _, states = forward(items, True)
+                _, states = forward("body", items, True)
                 for i, st in zip(body, states):
                     self.cache.put(rows[i][:limits[i]], st)
                     best[i] = st
-            out, _ = forward([(best[i], rows[i][limits[i]:]) for i in range(n)], False, max(max_rows, TAIL_ROWS))
-        torch = self.forwards.torch
+            out, _ = forward("tail", [(best[i], rows[i][limits[i]:]) for i in range(n)], False, max(max_rows, TAIL_ROWS))
         with torch.inference_mode():
             logits = torch.stack(out).float().cpu().numpy().astype(np.float32, copy=False)
         return StepResult(logits, stats["forwards"], stats["computed"], stats["padded"],

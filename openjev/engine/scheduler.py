@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from openjev.common import git_revision, utc_now
-from openjev.engine.batching import StepResult, length_groups
+from openjev.engine.batching import StepResult, forward_rows
 from sglang_openjev import contract
 
 log = logging.getLogger("openjev.transformers")
@@ -242,7 +242,7 @@ class Engine:
             if self.prefix is not None:
                 done = self.prefix.run_step(rows, self.args.max_running_requests)
             else:
-                done = self._forward_rows(rows)
+                done = forward_rows(self.clf, rows, self.batching, self.args.max_running_requests)
         except Exception as exc:  # noqa: BLE001 - every request of the failed step gets the error
             log.exception("forward failed")
             with self._cv:
@@ -251,33 +251,6 @@ class Engine:
                     job.loop.call_soon_threadsafe(_set_exception, job.future, exc)
             return
         self._finish_step(picked, rows, done, time.perf_counter() - t0)
-
-    def _forward_rows(self, rows: list[list[int]]) -> StepResult:
-        """The step's rows without prefix reuse: exact or padded forwards, cut by length."""
-        import numpy as np
-
-        from openjev.engine.classifier import padded_logits, score_exact
-
-        logits = np.empty((len(rows), 3), dtype=np.float32)
-        queued = []  # padded forwards of this step, their logits still on the device
-        forwards = padded_tokens = 0
-        for idx in length_groups([len(r) for r in rows], self.args.max_running_requests):
-            group = [rows[i] for i in idx]
-            if self.batching == "exact" or self.clf.pad_token_id is None:
-                logits[idx] = score_exact(self.clf, group)
-                forwards += len(group)
-                padded_tokens += sum(map(len, group))
-            else:  # similar lengths together keep padding small; one host copy per step
-                queued.append((idx, padded_logits(self.clf, group)))
-                forwards += 1
-                padded_tokens += max(map(len, group)) * len(group)
-        if queued:
-            import torch
-
-            with torch.inference_mode():
-                host = torch.cat([t for _, t in queued]).float().cpu().numpy()
-            logits[[i for idx, _ in queued for i in idx]] = host
-        return StepResult(logits, forwards, sum(map(len, rows)), padded_tokens, 0)
 
     def _finish_step(self, picked, rows, done: StepResult, elapsed: float) -> None:
         c = self.counters

@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Where prefix reuse's time goes, in process (a benchmark, not a test): the embedded backend's
+padded path and its prefix-reuse path (openjev/engine/prefix.py) over the same set, steps formed as
+the server forms them (requests of --batch rows, --workers of them pending, plan_step under the
+step token budget), without HTTP.
+
+  padded          the default path (bitwise the reference on a GPU)
+  prefix_flushed  prefix reuse, the state cache emptied before each pass
+  prefix_warm     prefix reuse, the cache kept from the passes before
+  prefix_nocache  prefix reuse without a cache (shared prefixes within a step only)
+
+Each mode: one untimed pass, then --passes timed passes (device synchronized), tokens the forwards
+ran, and against the padded path's logits the largest entailment-probability difference and argmax
+changes. Then torch.profiler tables of one flushed and one warm pass, with the prefix path's phases
+(openjev.prefix.shared/body/tail, cache_build, states) and the device's busy share of the wall time.
+
+  python3 benchmarks/experiments/prefix_reuse_profile.py --model W/model --tokens W/set.tokens.jsonl --out OUT
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+from gpu_profile import base_parser, prof_tables, sync
+
+from openjev.common import read_tokens, truncate_rows
+
+MODES = ("padded", "prefix_flushed", "prefix_warm", "prefix_nocache")
+
+
+def build_parser():
+    p = base_parser(__doc__)
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
+    p.add_argument("--passes", type=int, default=3)
+    p.add_argument("--batch", type=int, default=32, help="rows a request (default 32)")
+    p.add_argument("--workers", type=int, default=4, help="requests pending at once (default 4)")
+    p.add_argument("--max-rows", type=int, default=16, help="rows a forward (--max-running-requests)")
+    p.add_argument("--step-tokens", type=int, default=65536, help="step token budget")
+    p.add_argument("--cache-mb", type=int, default=49152)
+    p.add_argument("--no-profile", action="store_true")
+    return p
+
+
+def server_steps(rows, batch: int, workers: int, budget: int) -> list[list[int]]:
+    """Row indices of each step, as the server's scheduler plans them for `workers` clients that each
+    send requests of `batch` rows and send the next when one is answered."""
+    from openjev.engine.scheduler import plan_step
+
+    jobs = [SimpleNamespace(rows=rows[i:i + batch], base=i, cursor=0, cancelled=False, served_tokens=0)
+            for i in range(0, len(rows), batch)]
+    pending, queue, steps = jobs[:workers], jobs[workers:], []
+    while pending:
+        steps.append([job.base + k for job, k in plan_step(pending, budget)])
+        for _ in range(sum(j.cursor >= len(j.rows) for j in pending)):  # each answered client sends again
+            if queue:
+                pending.append(queue.pop(0))
+        pending = [j for j in pending if j.cursor < len(j.rows)]
+    return steps
+
+
+def run_pass(step_fn, rows, steps, device):
+    logits = np.empty((len(rows), 3), dtype=np.float32)
+    computed = forwards = 0
+    sync(device)
+    t0 = time.perf_counter()
+    for step in steps:
+        res = step_fn([rows[i] for i in step])
+        logits[step] = res.logits
+        computed += res.computed_tokens
+        forwards += res.forwards
+    sync(device)
+    return time.perf_counter() - t0, logits, computed, forwards
+
+
+def entailment(logits):
+    z = logits - logits.max(axis=1, keepdims=True)
+    p = np.exp(z)
+    return (p / p.sum(axis=1, keepdims=True))[:, 1]
+
+
+def main() -> int:
+    args = build_parser().parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    from openjev.engine.batching import forward_rows
+    from openjev.engine.classifier import load_classifier
+    from openjev.engine.kernels import kernel_path
+    from openjev.engine.prefix import PrefixEngine
+    from openjev.engine.warmup import prepare_serving
+
+    clf = load_classifier(args.model, args.device)
+    prepare_serving(clf, "padded", args.max_rows)
+    _, rows = read_tokens(args.tokens)
+    rows, _ = truncate_rows(rows, 4096)
+    steps = server_steps(rows, args.batch, args.workers, args.step_tokens)
+    res = {"tokens_file": str(args.tokens), "rows": len(rows), "tokens": sum(map(len, rows)),
+           "steps": [len(s) for s in steps], "kernel_path": kernel_path(clf.model), "modes": {}}
+    print(f"{len(rows)} rows, {res['tokens']} tokens, {len(steps)} steps of {res['steps']} rows", flush=True)
+    engines = {"prefix_flushed": PrefixEngine(clf, args.cache_mb << 20), "prefix_nocache": PrefixEngine(clf, 0)}
+    engines["prefix_warm"] = engines["prefix_flushed"]
+    base = None
+    for mode in args.modes.split(","):
+        if mode == "padded":
+            step_fn = lambda r: forward_rows(clf, r, "padded", args.max_rows)  # noqa: E731
+        else:
+            eng = engines[mode]
+            step_fn = lambda r, eng=eng: eng.run_step(r, args.max_rows)  # noqa: E731
+        out = []
+        for k in range(1 + args.passes):
+            if mode == "prefix_flushed":
+                eng.cache.clear()
+            sec, logits, computed, forwards = run_pass(step_fn, rows, steps, args.device)
+            out.append({"seconds": round(sec, 4), "computed_tokens": computed, "forwards": forwards})
+        if mode == "padded":
+            base = logits
+        m = {"passes": out, "median_s": round(statistics.median(p["seconds"] for p in out[1:]), 4)}
+        if base is not None and mode != "padded":
+            m["max_abs_dp_e"] = float(np.abs(entailment(logits) - entailment(base)).max())
+            m["argmax_changes"] = int((logits.argmax(1) != base.argmax(1)).sum())
+        res["modes"][mode] = m
+        print(mode, json.dumps({k: v for k, v in m.items() if k != "passes"}), out[-1], flush=True)
+    if not args.no_profile:
+        eng = engines["prefix_flushed"]
+        for name, flush in (("flushed", True), ("warm", False)):
+            if flush:
+                eng.cache.clear()
+            t0 = time.perf_counter()
+            summary = prof_tables(lambda: [eng.run_step([rows[i] for i in s], args.max_rows) for s in steps],
+                                  args.device, args.out / f"profile_prefix_{name}.txt", rows=40)
+            summary["wall_us"] = round((time.perf_counter() - t0) * 1e6)
+            res[f"profile_prefix_{name}"] = summary
+            print(name, "device busy", summary.get("device_us_total"), "of wall", summary["wall_us"], flush=True)
+        res["prefix_cache"] = eng.cache.stats()
+    (args.out / "prefix_reuse_profile.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
