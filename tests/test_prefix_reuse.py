@@ -19,7 +19,8 @@ TOL = 1e-5  # float32 on a CPU: the prefix is summed apart from the rest, the la
 def _state(length: int, nbytes: int):
     import torch
 
-    return PrefixState(length, [torch.zeros(nbytes // 4, dtype=torch.float32)], [], [], [])
+    empty = torch.zeros(0)
+    return PrefixState(length, torch.zeros(nbytes // 4, dtype=torch.float32), empty, empty, empty)
 
 
 def test_cache_finds_the_longest_cached_prefix_and_counts():
@@ -211,3 +212,34 @@ def test_padding_inert_chunk_gives_each_padded_row_its_own_final_state():
     for b, n in enumerate(lengths):
         o, s = _with_state(q[b:b + 1, :n], k[b:b + 1, :n], v[b:b + 1, :n], g[b:b + 1, :n], beta[b:b + 1, :n], init[b:b + 1])
         assert torch.equal(out[b, :n], o[0]) and torch.equal(finals[b], s[0])
+
+
+@pytest.mark.gpu
+def test_flash_varlen_attention_is_bitwise_the_unpadded_rows_causal_attention():
+    """The packed attention of prefix continuations (rows starting at 64-token boundaries after their
+    prefix keys) against each whole row's causal SDPA call, the call an exact forward makes, on the
+    rows' positions after the prefix: bit for bit where FlashAttention's varlen kernel runs."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: FlashAttention is a GPU kernel")
+    from openjev.engine.classifier import flash_varlen_usable, packed_rows, varlen_causal_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    heads, kv_heads, dim = 16, 4, 256
+    rows = [(0, 700), (64, 1), (128, 63), (640, 64), (1344, 37), (0, 5)]  # (prefix tokens, new tokens)
+    q_full = [torch.randn(p + n, heads, dim, device="cuda", dtype=torch.float16, generator=gen) for p, n in rows]
+    k_full = [torch.randn(p + n, kv_heads, dim, device="cuda", dtype=torch.float16, generator=gen) for p, n in rows]
+    v_full = [torch.randn(p + n, kv_heads, dim, device="cuda", dtype=torch.float16, generator=gen) for p, n in rows]
+    if not flash_varlen_usable(q_full[0]):
+        pytest.skip("FlashAttention not usable on this device")
+    packed = packed_rows([n for _, n in rows], [p for p, _ in rows], max(p for p, _ in rows), max(n for _, n in rows),
+                         "cuda")
+    q = torch.cat([qf[p:] for qf, (p, _) in zip(q_full, rows)])
+    out = varlen_causal_attention(q, torch.cat(k_full), torch.cat(v_full), packed, dim ** -0.5)
+    done = 0
+    for qf, kf, vf, (p, n) in zip(q_full, k_full, v_full, rows):
+        whole = torch.nn.functional.scaled_dot_product_attention(
+            qf.transpose(0, 1)[None], kf.transpose(0, 1)[None], vf.transpose(0, 1)[None], is_causal=True,
+            scale=dim ** -0.5, enable_gqa=True)[0].transpose(0, 1)
+        assert torch.equal(out[done:done + n], whole[p:]), (p, n, float((out[done:done + n] - whole[p:]).abs().max()))
+        done += n

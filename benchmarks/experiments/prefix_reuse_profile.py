@@ -13,6 +13,10 @@ Each mode: one untimed pass, then --passes timed passes (device synchronized), t
 ran, and against the padded path's logits the largest entailment-probability difference and argmax
 changes. Then torch.profiler tables of one flushed and one warm pass, with the prefix path's phases
 (openjev.prefix.shared/body/tail, cache_build, states) and the device's busy share of the wall time.
+With --divergence-rows: those rows' exact forwards against the prefix path's two forwards (the
+prefix up to the last chunk boundary, keeping states, then the tail from them), module by module
+(projections, GDN core and attention outputs, mixers, MLPs, layers) in execution order, so the
+first module whose output leaves the exact forward's is named.
 
   python3 benchmarks/experiments/prefix_reuse_profile.py --model W/model --tokens W/set.tokens.jsonl --out OUT
 """
@@ -43,7 +47,70 @@ def build_parser():
     p.add_argument("--step-tokens", type=int, default=65536, help="step token budget")
     p.add_argument("--cache-mb", type=int, default=49152)
     p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--divergence-rows", default="", help="comma list of row indices for the module comparison")
     return p
+
+
+# (module name suffix, hook on the input instead of the output)
+WATCHED = (("linear_attn.in_proj_qkv", False), ("linear_attn.norm", True), ("linear_attn", False),
+           ("self_attn.q_proj", False), ("self_attn.o_proj", True), ("self_attn", False), ("mlp", False))
+
+
+def divergence(clf, forwards, rows, picks) -> dict:
+    """Module outputs of each picked row's exact forward vs the prefix path's: a forward of the rows'
+    prefixes (to the last 64-token boundary, keeping states) and one of their tails from those states."""
+    import torch
+
+    from openjev.engine.classifier import score_exact
+    from openjev.engine.prefix import GDN_CHUNK
+
+    mods = {n: m for n, m in clf.model.named_modules() if ".layers." in n and (
+        n.rsplit(".", 1)[-1].isdigit() or any(n.endswith("." + w) for w, _ in WATCHED))}
+    kept, worst, mode = {}, {}, {"row": None, "phase": None, "spans": None, "width": 0}
+
+    def hook(name, on_input):
+        def fn(_m, args, out=None):
+            t = args[0] if on_input else (out[0] if isinstance(out, tuple) else out)
+            if mode["row"] is not None:
+                kept[(mode["row"], name)] = t.detach().reshape(-1, t.shape[-1]).clone()
+                return
+            t = t.detach().reshape(len(mode["spans"]), mode["width"], -1)
+            for j, (i, start, n) in enumerate(mode["spans"]):
+                ref = kept[(i, name)]
+                per_tok = ref.shape[0] // len(rows[i])
+                ref = ref.reshape(len(rows[i]), per_tok * ref.shape[-1])[start:start + n]
+                got = t[j, :n]
+                d = float((got.float() - ref.float()).abs().max())
+                key = (mode["phase"], name)
+                worst[key] = max(worst.get(key, 0.0), d)
+        return fn
+
+    handles = []
+    for n, m in mods.items():
+        on_input = next((o for w, o in WATCHED if n.endswith("." + w)), False)
+        handles.append(m.register_forward_pre_hook(hook(n, True)) if on_input else m.register_forward_hook(hook(n, False)))
+    try:
+        for i in picks:
+            mode["row"] = i
+            score_exact(clf, [rows[i]])
+        mode["row"] = None
+        cuts = [(len(rows[i]) - 1) // GDN_CHUNK * GDN_CHUNK for i in picks]
+        mode.update(phase="prefix", spans=[(i, 0, c) for i, c in zip(picks, cuts)], width=max(cuts))
+        _, states = forwards.run([(None, rows[i][:c]) for i, c in zip(picks, cuts)], True)
+        tails = [len(rows[i]) - c for i, c in zip(picks, cuts)]
+        mode.update(phase="tail", spans=[(i, c, n) for i, c, n in zip(picks, cuts, tails)], width=max(tails))
+        forwards.run([(st, rows[i][c:]) for i, c, st in zip(picks, cuts, states)], False)
+        torch.cuda.synchronize() if clf.device.startswith("cuda") else None
+    finally:
+        for h in handles:
+            h.remove()
+    order = list(dict.fromkeys(worst))  # execution order
+    out = {"rows": picks, "cuts": cuts,
+           "modules": [{"phase": ph, "module": n, "max_abs_diff": worst[(ph, n)]} for ph, n in order]}
+    for ph in ("prefix", "tail"):
+        first = next((e for e in out["modules"] if e["phase"] == ph and e["max_abs_diff"] > 0), None)
+        out[f"first_differing_{ph}"] = first
+    return out
 
 
 def server_steps(rows, batch: int, workers: int, budget: int) -> list[list[int]]:
@@ -135,6 +202,11 @@ def main() -> int:
             res[f"profile_prefix_{name}"] = summary
             print(name, "device busy", summary.get("device_us_total"), "of wall", summary["wall_us"], flush=True)
         res["prefix_cache"] = eng.cache.stats()
+    if args.divergence_rows:
+        picks = [int(i) for i in args.divergence_rows.split(",")]
+        res["divergence"] = divergence(clf, engines["prefix_nocache"].forwards, rows, picks)
+        print("first differing:", res["divergence"]["first_differing_prefix"], res["divergence"]["first_differing_tail"],
+              flush=True)
     (args.out / "prefix_reuse_profile.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
     return 0
 

@@ -44,17 +44,18 @@ TAIL_ROWS = 64
 
 @dataclass
 class PrefixState:
-    """The model's state after `length` tokens (tensors on the model's device, batch dimension dropped)."""
+    """The model's state after `length` tokens: one tensor of each kind on the model's device, its
+    first dimension the layers of that kind (GDN layers, full-attention layers)."""
 
     length: int
-    conv: list          # per GDN layer [conv_dim, kernel]
-    recurrent: list     # per GDN layer [heads, k_dim, v_dim]
-    keys: list          # per attention layer [kv_heads, length, head_dim]
-    values: list
+    conv: object        # [GDN layers, conv_dim, kernel]
+    recurrent: object   # [GDN layers, heads, k_dim, v_dim]
+    keys: object        # [attention layers, kv_heads, length, head_dim]
+    values: object
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.conv, *self.recurrent, *self.keys, *self.values))
+        return sum(t.numel() * t.element_size() for t in (self.conv, self.recurrent, self.keys, self.values))
 
 
 def prefix_key(tokens) -> bytes:
@@ -187,7 +188,7 @@ class ContinuationForwards:
     def run(self, items: list, want_states: bool):
         """items: (start PrefixState or None, tokens to run). Returns (logits [n, 3] on the device,
         the state after each row, or None)."""
-        from openjev.engine.classifier import padded_layout
+        from openjev.engine.classifier import packed_rows, padded_layout
 
         torch = self.torch
         dev = self.clf.device
@@ -207,7 +208,9 @@ class ContinuationForwards:
         gpu = str(dev).startswith("cuda")  # pinned and non-blocking: a plain copy would wait for queued forwards
         ids, mask, pos = ((t.pin_memory() if gpu else t).to(dev, non_blocking=gpu) for t in (ids, mask, pos))
         valid = mask[:, offset:].bool() if want_states else None
-        with torch.inference_mode(), padded_layout(lengths, starts, offset, per_row_states=want_states, valid=valid):
+        packed = packed_rows(lengths, starts, offset, width, dev)
+        with torch.inference_mode(), padded_layout(lengths, starts, offset, per_row_states=want_states, valid=valid,
+                                                   packed=packed):
             out = self.clf.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                                  past_key_values=cache, use_cache=True)
             with torch.profiler.record_function("openjev.prefix.states"):
@@ -215,47 +218,61 @@ class ContinuationForwards:
         return out.logits, states
 
     def _cache(self, starts: list, offset: int, record: bool):
+        """A DynamicCache holding the rows' start states: GDN conv and recurrent states stacked by row,
+        attention keys and values left-padded with zeros to `offset` (a few large copies, not one a
+        row and layer)."""
         from transformers import DynamicCache
 
         torch = self.torch
         dev, dtype = self.clf.device, self.clf.model.dtype
         cache = DynamicCache(config=self.text)
         known = next((s for s in starts if s is not None), None)  # zeros in the dtypes the kernels left
-        conv_zero = torch.zeros((self.conv_dim, self.kernel), dtype=known.conv[0].dtype if known else dtype, device=dev)
-        rec_zero = torch.zeros(self.rec_shape, dtype=known.recurrent[0].dtype if known else torch.float32, device=dev)
+        conv_zero = torch.zeros((len(self.linear), self.conv_dim, self.kernel),
+                                dtype=known.conv.dtype if known else dtype, device=dev)
+        rec_zero = torch.zeros((len(self.linear),) + self.rec_shape,
+                               dtype=known.recurrent.dtype if known else torch.float32, device=dev)
+        conv_all = torch.stack([s.conv if s is not None else conv_zero for s in starts], 1)  # [layers, rows, ...]
+        rec_all = torch.stack([s.recurrent if s is not None else rec_zero for s in starts], 1)
         for k, li in enumerate(self.linear):
             layer = cache.layers[li]
-            conv = torch.stack([s.conv[k] if s is not None else conv_zero for s in starts])
-            rec = torch.stack([s.recurrent[k] if s is not None else rec_zero for s in starts])
-            layer.conv_states[0], layer.recurrent_states[0] = conv, rec
+            layer.conv_states[0], layer.recurrent_states[0] = conv_all[k], rec_all[k]
             layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = True
             layer.has_previous_state[0] = True
             layer.conv_kernel_size[0] = self.kernel
-            layer.device, layer.dtype = conv.device, conv.dtype
+            layer.device, layer.dtype = conv_all.device, conv_all.dtype
             layer.record_past = record  # keep every conv input, so each row's own last inputs can be cut out
         if offset:
+            shape = (len(self.attention), len(starts), self.kv_heads, offset, self.head_dim)
+            k_all, v_all = torch.zeros(shape, dtype=dtype, device=dev), torch.zeros(shape, dtype=dtype, device=dev)
+            for b, s in enumerate(starts):
+                if s is not None:
+                    k_all[:, b, :, offset - s.length:].copy_(s.keys)
+                    v_all[:, b, :, offset - s.length:].copy_(s.values)
             for k, li in enumerate(self.attention):
-                keys, values = [], []
-                for s in starts:
-                    have = s.length if s is not None else 0
-                    shape = (self.kv_heads, offset - have, self.head_dim)
-                    pad = torch.zeros(shape, dtype=dtype, device=dev)
-                    keys.append(torch.cat([pad, s.keys[k]], dim=1) if s is not None else pad)
-                    values.append(torch.cat([pad, s.values[k]], dim=1) if s is not None else pad)
                 layer = cache.layers[li]
-                k_all, v_all = torch.stack(keys), torch.stack(values)
-                layer.lazy_initialization(k_all, v_all)
-                layer.keys, layer.values = k_all, v_all
+                layer.lazy_initialization(k_all[k], v_all[k])
+                layer.keys, layer.values = k_all[k], v_all[k]
         return cache
 
     def _states(self, cache, starts, lengths, offset) -> list[PrefixState]:
+        """Each row's state after its real tokens, one allocation per row and kind."""
+        torch = self.torch
+        dev = self.clf.device
+        ends = torch.tensor(lengths, dtype=torch.long)[:, None] + torch.arange(self.kernel)  # a row's last inputs
+        gpu = str(dev).startswith("cuda")
+        ends = (ends.pin_memory() if gpu else ends).to(dev, non_blocking=gpu)
+        convs = []
+        for li in self.linear:
+            recorded = cache.layers[li].conv_states[0]  # [rows, conv_dim, kernel + width]
+            convs.append(recorded.gather(2, ends[:, None, :].expand(-1, recorded.shape[1], -1)))
+        conv_all = torch.stack(convs, 1)  # [rows, layers, conv_dim, kernel]
+        rec_all = torch.stack([cache.layers[li].recurrent_states[0] for li in self.linear], 1)
         states = []
         for b, (start, n) in enumerate(zip(starts, lengths)):
-            conv = [cache.layers[li].conv_states[0][b, :, n: n + self.kernel].clone() for li in self.linear]
-            rec = [cache.layers[li].recurrent_states[0][b].clone() for li in self.linear]
-            keys = [cache.layers[li].keys[b, :, offset - start: offset + n].clone() for li in self.attention]
-            values = [cache.layers[li].values[b, :, offset - start: offset + n].clone() for li in self.attention]
-            states.append(PrefixState(start + n, conv, rec, keys, values))
+            span = slice(offset - start, offset + n)
+            keys = torch.stack([cache.layers[li].keys[b, :, span] for li in self.attention])
+            values = torch.stack([cache.layers[li].values[b, :, span] for li in self.attention])
+            states.append(PrefixState(start + n, conv_all[b].clone(), rec_all[b].clone(), keys, values))
         return states
 
 
