@@ -215,31 +215,26 @@ def test_padding_inert_chunk_gives_each_padded_row_its_own_final_state():
 
 
 @pytest.mark.gpu
-def test_flash_varlen_attention_is_bitwise_the_unpadded_rows_causal_attention():
-    """The packed attention of prefix continuations (rows starting at 64-token boundaries after their
-    prefix keys) against each whole row's causal SDPA call, the call an exact forward makes, on the
-    rows' positions after the prefix: bit for bit where FlashAttention's varlen kernel runs."""
+def test_attention_after_a_prefix_is_bitwise_the_whole_rows_causal_attention():
+    """A continuation's attention (its queries after a prefix ending on a 64-token boundary, the
+    prefix's keys and its own) against the whole row's causal SDPA call, the call an exact forward
+    makes, on the positions after the prefix: bit for bit on a GPU (FlashAttention's query tiles)."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device: FlashAttention is a GPU kernel")
-    from openjev.engine.classifier import flash_varlen_usable, packed_rows, varlen_causal_attention
+    from openjev.engine.classifier import _attend_after_prefix
+
+    def inner(_module, q, k, v, mask, scaling=None, **_):  # Transformers' call for an unpadded row
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, scale=scaling,
+                                                               enable_gqa=True)
+        return out.transpose(1, 2), None
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     heads, kv_heads, dim = 16, 4, 256
-    rows = [(0, 700), (64, 1), (128, 63), (640, 64), (1344, 37), (0, 5)]  # (prefix tokens, new tokens)
-    q_full = [torch.randn(p + n, heads, dim, device="cuda", dtype=torch.float16, generator=gen) for p, n in rows]
-    k_full = [torch.randn(p + n, kv_heads, dim, device="cuda", dtype=torch.float16, generator=gen) for p, n in rows]
-    v_full = [torch.randn(p + n, kv_heads, dim, device="cuda", dtype=torch.float16, generator=gen) for p, n in rows]
-    if not flash_varlen_usable(q_full[0]):
-        pytest.skip("FlashAttention not usable on this device")
-    packed = packed_rows([n for _, n in rows], [p for p, _ in rows], max(p for p, _ in rows), max(n for _, n in rows),
-                         "cuda")
-    q = torch.cat([qf[p:] for qf, (p, _) in zip(q_full, rows)])
-    out = varlen_causal_attention(q, torch.cat(k_full), torch.cat(v_full), packed, dim ** -0.5)
-    done = 0
-    for qf, kf, vf, (p, n) in zip(q_full, k_full, v_full, rows):
-        whole = torch.nn.functional.scaled_dot_product_attention(
-            qf.transpose(0, 1)[None], kf.transpose(0, 1)[None], vf.transpose(0, 1)[None], is_causal=True,
-            scale=dim ** -0.5, enable_gqa=True)[0].transpose(0, 1)
-        assert torch.equal(out[done:done + n], whole[p:]), (p, n, float((out[done:done + n] - whole[p:]).abs().max()))
-        done += n
+    for prefix, n in [(64, 1), (128, 63), (640, 64), (1344, 37), (64, 700)]:
+        q = torch.randn(1, heads, prefix + n, dim, device="cuda", dtype=torch.float16, generator=gen)
+        k, v = (torch.randn(1, kv_heads, prefix + n, dim, device="cuda", dtype=torch.float16, generator=gen)
+                for _ in range(2))
+        whole = inner(None, q, k, v, None, scaling=dim ** -0.5)[0]
+        after = _attend_after_prefix(inner, None, q[:, :, prefix:], k, v, prefix, scaling=dim ** -0.5)
+        assert torch.equal(after, whole[:, prefix:]), (prefix, n, float((after - whole[:, prefix:]).abs().max()))

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,54 +43,13 @@ class PaddedLayout:
     """The right-padded forward running in this thread: each row's real length, and for rows that go
     on from a prefix state (openjev/engine/prefix.py) the prefix length and where the cached keys end
     (prefixes are left-padded to `offset`); per_row_states asks for each row's own final GDN state,
-    `valid` (optional, [rows, width] bool on the device) marks the real tokens; with `packed`
-    attention runs once for all rows over their real tokens (see PackedRows)."""
+    `valid` (optional, [rows, width] bool on the device) marks the real tokens."""
 
     lengths: tuple
     starts: tuple | None = None
     offset: int = 0
     per_row_states: bool = False
     valid: object = None
-    packed: object = None
-
-
-@dataclass(frozen=True)
-class PackedRows:
-    """Where each row's real queries and keys sit in a padded forward's [rows x width] query grid and
-    [rows x (offset + width)] key grid, for one variable-length attention call: the indices (on the
-    device), cumulative lengths (int32, on the device) and the same bounds on the host."""
-
-    q_index: object
-    k_index: object
-    cu_q: object
-    cu_k: object
-    max_q: int
-    max_k: int
-    q_bounds: tuple
-    k_bounds: tuple
-
-
-def packed_rows(lengths, starts, offset: int, width: int, device) -> PackedRows:
-    """PackedRows of a padded continuation forward: row b has starts[b] prefix keys (left-padded to
-    `offset` in the key grid) and lengths[b] new tokens (right-padded to `width`)."""
-    import torch
-
-    q_parts, k_parts, q_bounds, k_bounds = [], [], [0], [0]
-    for b, (n, p) in enumerate(zip(lengths, starts)):
-        q_parts.append(np.arange(b * width, b * width + n))
-        base = b * (offset + width)
-        k_parts.append(np.arange(base + offset - p, base + offset + n))
-        q_bounds.append(q_bounds[-1] + n)
-        k_bounds.append(k_bounds[-1] + p + n)
-    gpu = str(device).startswith("cuda")
-
-    def put(arr, dtype):
-        t = torch.from_numpy(np.ascontiguousarray(arr)).to(dtype)
-        return (t.pin_memory() if gpu else t).to(device, non_blocking=gpu)
-
-    return PackedRows(put(np.concatenate(q_parts), torch.long), put(np.concatenate(k_parts), torch.long),
-                      put(np.asarray(q_bounds), torch.int32), put(np.asarray(k_bounds), torch.int32),
-                      max(lengths), max(p + n for p, n in zip(starts, lengths)), tuple(q_bounds), tuple(k_bounds))
 
 
 _LAYOUT: contextvars.ContextVar = contextvars.ContextVar("openjev_padded_layout", default=None)
@@ -286,15 +244,12 @@ def rowwise_attention() -> str:
         off = layout.offset if layout is not None else 0
         if layout is None or query.shape[0] != len(layout.lengths) or key.shape[2] != off + query.shape[2]:
             return inner(module, query, key, value, attention_mask, **kwargs)
-        if layout.packed is not None:
-            return _attend_packed(module, query, key, value, layout.packed, **kwargs), None
         starts = layout.starts or (0,) * len(layout.lengths)
-        if off and query.shape[2] == 1:  # one new token a row: one call, the left-padded prefix keys masked out
-            return inner(module, query, key, value, attention_mask, **kwargs)
         out = query.new_zeros((query.shape[0], query.shape[2], query.shape[1], value.shape[-1]))
         for j, (n, p) in enumerate(zip(layout.lengths, starts)):
             q, k, v = query[j:j + 1, :, :n], key[j:j + 1, :, off - p: off + n], value[j:j + 1, :, off - p: off + n]
-            row = inner(module, q, k, v, None, **kwargs)[0] if p == 0 else _attend_after_prefix(module, q, k, v, **kwargs)
+            row = inner(module, q, k, v, None, **kwargs)[0] if p == 0 else _attend_after_prefix(inner, module, q, k, v, p,
+                                                                                                **kwargs)
             out[j:j + 1, :n] = row
         return out, None
 
@@ -303,80 +258,23 @@ def rowwise_attention() -> str:
     return mode
 
 
-def _attend_after_prefix(module, query, key, value, scaling=None, **kwargs):
-    """One row's queries over its prefix's keys and its own, causal from the bottom right (query i
-    sees every prefix key and its own first i + 1), in [1, n, heads, dim] as Transformers' SDPA
-    function returns it."""
-    import torch
-    from torch.nn.attention.bias import causal_lower_right
-
-    groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    n, total = query.shape[2], key.shape[2]
-    mask = causal_lower_right(n, total) if n > 1 else None
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
-    return out.transpose(1, 2)
-
-
-def _attend_packed(module, query, key, value, packed: PackedRows, scaling=None, **kwargs):
-    """All rows' real queries over their own keys in one variable-length attention call, causal from
-    the bottom right (a row's query i sees its prefix's keys and its own first i + 1), returned in the
-    padded [rows, width, heads, dim] layout (zeros on padding)."""
-    rows, heads, width, dim = query.shape
-    kv_heads, key_width = key.shape[1], key.shape[2]
-    q = query.transpose(1, 2).reshape(rows * width, heads, dim).index_select(0, packed.q_index)
-    k = key.transpose(1, 2).reshape(rows * key_width, kv_heads, dim).index_select(0, packed.k_index)
-    v = value.transpose(1, 2).reshape(rows * key_width, kv_heads, value.shape[-1]).index_select(0, packed.k_index)
-    o = varlen_causal_attention(q, k, v, packed, scaling)
-    out = o.new_zeros((rows * width, heads, o.shape[-1])).index_copy_(0, packed.q_index, o)
-    return out.view(rows, width, heads, o.shape[-1])
-
-
-def flash_varlen_usable(q) -> bool:
-    """Whether PyTorch's FlashAttention kernel takes this packed call (CUDA SM80+, FP16/BF16, head
-    dim a multiple of 8 up to 256, FlashAttention enabled in SDPA)."""
-    import torch
-
-    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
-            and torch.backends.cuda.flash_sdp_enabled() and torch.cuda.get_device_capability(q.device) >= (8, 0))
-
-
-_FLASH_VARLEN_FAILED: list = []
-
-
-def varlen_causal_attention(q, k, v, packed: PackedRows, scale=None):
-    """Packed rows ([tokens, heads, dim], keys may have fewer heads) attending causally from the
-    bottom right: FlashAttention's variable-length kernel, the kernel (and tiles) an unpadded causal
-    SDPA call of one row runs, where it is usable; else one SDPA call a row."""
-    import torch
-
-    if flash_varlen_usable(q) and not _FLASH_VARLEN_FAILED:
-        try:
-            return torch.ops.aten._flash_attention_forward(q, k, v, packed.cu_q, packed.cu_k, packed.max_q,
-                                                           packed.max_k, 0.0, True, False, scale=scale)[0]
-        except (RuntimeError, TypeError) as exc:  # a PyTorch without this signature: one SDPA call a row
-            _FLASH_VARLEN_FAILED.append(str(exc))
-            logging.getLogger("openjev.kernels").warning("FlashAttention varlen call refused (%s): attention of "
-                                                         "prefix continuations runs one call a row", exc)
-    from torch.nn.attention.bias import causal_lower_right
-
-    out = []
-    groups = q.shape[1] // k.shape[1]
-    for (q0, q1), (k0, k1) in zip(zip(packed.q_bounds, packed.q_bounds[1:]), zip(packed.k_bounds, packed.k_bounds[1:])):
-        qi, ki, vi = (t.transpose(0, 1)[None] for t in (q[q0:q1], k[k0:k1], v[k0:k1]))
-        if groups > 1:
-            ki, vi = ki.repeat_interleave(groups, dim=1), vi.repeat_interleave(groups, dim=1)
-        mask = causal_lower_right(q1 - q0, k1 - k0) if q1 - q0 > 1 else None
-        out.append(torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)[0].transpose(0, 1))
-    return torch.cat(out)
+def _attend_after_prefix(inner, module, query, key, value, prefix: int, **kwargs):
+    """One row's queries after `prefix` tokens over the prefix's keys and its own, in [1, n, heads, dim]
+    as Transformers' SDPA function returns it: the call an unpadded forward of the whole row makes
+    (`inner`, causal, FlashAttention on a GPU), with zeros for the prefix's queries, whose outputs are
+    dropped. Prefixes end on 64-token boundaries, FlashAttention's query tiles for this head size, so
+    each real query tile is computed as in the whole row's forward: the same bits, at the cost of
+    the prefix queries' attention."""
+    queries = query.new_zeros(query.shape[:2] + (prefix + query.shape[2], query.shape[3]))
+    queries[:, :, prefix:] = query
+    return inner(module, queries, key, value, None, **kwargs)[0][:, prefix:]
 
 
 @contextlib.contextmanager
-def padded_layout(lengths, starts=None, offset: int = 0, per_row_states: bool = False, valid=None, packed=None):
+def padded_layout(lengths, starts=None, offset: int = 0, per_row_states: bool = False, valid=None):
     """Declare the right-padded forward about to run in this thread (see PaddedLayout)."""
     token = _LAYOUT.set(PaddedLayout(tuple(int(n) for n in lengths), tuple(int(p) for p in starts) if starts else None,
-                                     int(offset), per_row_states, valid, packed))
+                                     int(offset), per_row_states, valid))
     try:
         yield
     finally:

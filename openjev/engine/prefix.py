@@ -6,7 +6,8 @@ the short convolution's last inputs and the recurrent state, per full-attention 
 values of the P tokens. A continuation runs the unmodified model through Transformers' own cache
 object (DynamicCache of the model's config), 2-D attention mask and per-row position ids. While a
 continuation forward runs, two functions the model calls know the padded layout (see
-classifier.padded_layout): attention runs over each row's own keys (causal from the bottom right)
+classifier.padded_layout): attention runs row by row, the whole row's causal call with the prefix's
+queries left out (bit for bit the exact forward's attention, see classifier._attend_after_prefix)
 and, where a row's end state is kept, the chunked gated delta rule sees the right padding as inert
 tokens (decay 1, no write), so padding never runs into a state. Arithmetic: the prefix is summed apart from the rest, so logits are close to the exact
 forward's, not bitwise (the agreement goal applies); the default path stays the exact one.
@@ -38,8 +39,9 @@ COUNTS = ("hits", "misses", "inserted", "evicted", "tokens_reused", "flushes")
 # Transformers' fallback), so a continuation's chunks are the exact forward's chunks and its state
 # the one the exact forward carries across that boundary.
 GDN_CHUNK = 64
-# Rows a forward of tails (the < 64 tokens after a row's last state) may hold.
-TAIL_ROWS = 64
+# Rows a forward of the prefix path may hold (at least --max-running-requests): its forwards are
+# shorter than the plain path's, so fewer, wider ones keep the fixed cost of a forward down.
+PREFIX_FORWARD_ROWS = 64
 
 
 @dataclass
@@ -188,7 +190,7 @@ class ContinuationForwards:
     def run(self, items: list, want_states: bool):
         """items: (start PrefixState or None, tokens to run). Returns (logits [n, 3] on the device,
         the state after each row, or None)."""
-        from openjev.engine.classifier import packed_rows, padded_layout
+        from openjev.engine.classifier import padded_layout
 
         torch = self.torch
         dev = self.clf.device
@@ -208,9 +210,7 @@ class ContinuationForwards:
         gpu = str(dev).startswith("cuda")  # pinned and non-blocking: a plain copy would wait for queued forwards
         ids, mask, pos = ((t.pin_memory() if gpu else t).to(dev, non_blocking=gpu) for t in (ids, mask, pos))
         valid = mask[:, offset:].bool() if want_states else None
-        packed = packed_rows(lengths, starts, offset, width, dev)
-        with torch.inference_mode(), padded_layout(lengths, starts, offset, per_row_states=want_states, valid=valid,
-                                                   packed=packed):
+        with torch.inference_mode(), padded_layout(lengths, starts, offset, per_row_states=want_states, valid=valid):
             out = self.clf.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                                  past_key_values=cache, use_cache=True)
             with torch.profiler.record_function("openjev.prefix.states"):
@@ -352,7 +352,9 @@ class PrefixEngine:
 
         torch = self.forwards.torch
 
-        def forward(phase, items, want_states, rows_cap=max_rows):
+        rows_cap = max(max_rows, PREFIX_FORWARD_ROWS)
+
+        def forward(phase, items, want_states):
             logits_all, states_all = [None] * len(items), [None] * len(items)
             for idx in length_groups([len(t) for _, t in items], rows_cap):
                 group = [items[i] for i in idx]
@@ -392,7 +394,7 @@ class PrefixEngine:
                 for i, st in zip(body, states):
                     self.cache.put(rows[i][:limits[i]], st)
                     best[i] = st
-            out, _ = forward("tail", [(best[i], rows[i][limits[i]:]) for i in range(n)], False, max(max_rows, TAIL_ROWS))
+            out, _ = forward("tail", [(best[i], rows[i][limits[i]:]) for i in range(n)], False)
         with torch.inference_mode():
             logits = torch.stack(out).float().cpu().numpy().astype(np.float32, copy=False)
         return StepResult(logits, stats["forwards"], stats["computed"], stats["padded"],
