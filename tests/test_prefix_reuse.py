@@ -231,10 +231,16 @@ def test_attention_after_a_prefix_is_bitwise_the_whole_rows_causal_attention():
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     heads, kv_heads, dim = 16, 4, 256
-    for prefix, n in [(64, 1), (128, 63), (640, 64), (1344, 37), (64, 700)]:
+    for prefix, n in [(64, 1), (128, 63), (640, 65), (1344, 37), (64, 700)]:
         q = torch.randn(1, heads, prefix + n, dim, device="cuda", dtype=torch.float16, generator=gen)
         k, v = (torch.randn(1, kv_heads, prefix + n, dim, device="cuda", dtype=torch.float16, generator=gen)
                 for _ in range(2))
         whole = inner(None, q, k, v, None, scaling=dim ** -0.5)[0]
         after = _attend_after_prefix(inner, None, q[:, :, prefix:], k, v, prefix, scaling=dim ** -0.5)
         assert torch.equal(after, whole[:, prefix:]), (prefix, n, float((after - whole[:, prefix:]).abs().max()))
+        # a state-keeping forward stops on a tile boundary inside the row: from 0 or from a prefix
+        for start in (0, prefix - 64):
+            stop = prefix  # the tile boundary the forward stops on
+            cut = _attend_after_prefix(inner, None, q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop], start,
+                                       keep_odd=True, scaling=dim ** -0.5)
+            assert torch.equal(cut, whole[:, start:stop]), (start, stop, float((cut - whole[:, start:stop]).abs().max()))

@@ -248,8 +248,11 @@ def rowwise_attention() -> str:
         out = query.new_zeros((query.shape[0], query.shape[2], query.shape[1], value.shape[-1]))
         for j, (n, p) in enumerate(zip(layout.lengths, starts)):
             q, k, v = query[j:j + 1, :, :n], key[j:j + 1, :, off - p: off + n], value[j:j + 1, :, off - p: off + n]
-            row = inner(module, q, k, v, None, **kwargs)[0] if p == 0 else _attend_after_prefix(inner, module, q, k, v, p,
-                                                                                                **kwargs)
+            odd = layout.per_row_states  # a state-keeping forward stops on a 64-token boundary inside the row
+            if p == 0 and not (odd and n % FLASH_QUERY_TILE == 0):
+                row = inner(module, q, k, v, None, **kwargs)[0]
+            else:
+                row = _attend_after_prefix(inner, module, q, k, v, p, keep_odd=odd, **kwargs)
             out[j:j + 1, :n] = row
         return out, None
 
@@ -258,16 +261,30 @@ def rowwise_attention() -> str:
     return mode
 
 
-def _attend_after_prefix(inner, module, query, key, value, prefix: int, **kwargs):
+# FlashAttention's query tile for the model's head size (256) on SM80/SM90; prefix states sit on
+# multiples of it (openjev/engine/prefix.py GDN_CHUNK).
+FLASH_QUERY_TILE = 64
+
+
+def _attend_after_prefix(inner, module, query, key, value, prefix: int, keep_odd: bool = False, **kwargs):
     """One row's queries after `prefix` tokens over the prefix's keys and its own, in [1, n, heads, dim]
     as Transformers' SDPA function returns it: the call an unpadded forward of the whole row makes
     (`inner`, causal, FlashAttention on a GPU), with zeros for the prefix's queries, whose outputs are
-    dropped. Prefixes end on 64-token boundaries, FlashAttention's query tiles for this head size, so
-    each real query tile is computed as in the whole row's forward: the same bits, at the cost of
-    the prefix queries' attention."""
-    queries = query.new_zeros(query.shape[:2] + (prefix + query.shape[2], query.shape[3]))
-    queries[:, :, prefix:] = query
-    return inner(module, queries, key, value, None, **kwargs)[0][:, prefix:]
+    dropped. Prefixes end on 64-token boundaries, FlashAttention's query tiles, so each real query
+    tile is computed as in the whole row's forward: the same bits, at the cost of the prefix queries'
+    attention. With keep_odd (a forward that stops on a tile boundary inside the row) a call whose
+    length is a whole number of tiles gets one zero token more, which no real query sees: the
+    kernel's whole-tiles variant rounds differently from the one the whole row's call runs."""
+    import torch
+
+    total = prefix + query.shape[2]
+    extra = int(keep_odd and total % FLASH_QUERY_TILE == 0)
+    queries = query.new_zeros(query.shape[:2] + (total + extra, query.shape[3]))
+    queries[:, :, prefix:total] = query
+    if extra:
+        key = torch.cat([key, key.new_zeros(key.shape[:2] + (1, key.shape[3]))], dim=2)
+        value = torch.cat([value, value.new_zeros(value.shape[:2] + (1, value.shape[3]))], dim=2)
+    return inner(module, queries, key, value, None, **kwargs)[0][:, prefix:total]
 
 
 @contextlib.contextmanager
