@@ -280,7 +280,7 @@ def test_sigterm_under_load_answers_every_admitted_request(overlay, tmp_path):
 # ---------------------------------------------------------------- strict loading
 @pytest.mark.parametrize("case", strict_loading_cases.CASES)
 def test_embedded_loader_refuses_the_corrupted_checkpoints(tiny_model, tmp_path, case):
-    """The five checkpoints SGLang's loader refuses (tests/test_sglang_openjev.py) are refused here
+    """The five checkpoints SGLang's loader refuses (tests/test_sglang_openjev_model_loading.py) are refused here
     too, with the same words; Transformers alone would warn and initialise at random."""
     from openjev.common import UserError
     from openjev.engine.classifier import load_classifier

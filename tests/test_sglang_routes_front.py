@@ -1,7 +1,7 @@
 """The serving front on the SGLang adapter's routes (`sglang_openjev/routes.py`), over real HTTP on 127.0.0.1.
 
 The routes run on SGLang's own FastAPI app where sglang is importable and on a plain FastAPI app
-otherwise (the fake tokenizer manager of tests/test_sglang_openjev.py stands in for SGLang's
+otherwise (the fake tokenizer manager of tests/_sglang_support.py stands in for SGLang's
 scheduler either way). The SGLang-only checks (admin key on /flush_cache with SGLang's real
 API-key middleware, PUT on /classify from SGLang's real route table) skip with the reason where
 sglang is not importable; the logic they rely on is also checked on a plain app.
@@ -15,7 +15,7 @@ import pytest
 import requests
 from fastapi import FastAPI
 
-from test_sglang_openjev import SGLANG_ERROR, FakeTokenizerManager, LiveServer, server_args_stub
+from _sglang_support import SGLANG_ERROR, FakeTokenizerManager, LiveServer, server_args_stub
 
 from sglang_openjev import contract, routes
 
