@@ -18,7 +18,7 @@ OPENJEV_SGLANG_VERSIONS ?= 0.5.13 0.5.14 0.5.23
 SGLANG_TESTS := tests/test_sglang_openjev_weights.py tests/test_sglang_openjev_pooling.py \
   tests/test_sglang_openjev_launcher.py tests/test_sglang_openjev_warmup.py tests/test_sglang_openjev_routes.py \
   tests/test_sglang_openjev_model_loading.py tests/test_sglang_openjev_launcher_in_sglang.py \
-  tests/test_serve_sglang_v100.py
+  tests/test_serve_sglang_v100_command.py tests/test_serve_sglang_v100_runtimes.py
 # Tests a version cannot run yet, by name, with the reason test-sglang prints (shown as deselected):
 # SGLANG_DESELECT_<version> := --deselect tests/...::test_name, SGLANG_DESELECT_WHY_<version> := reason.
 # None at present.
