@@ -29,9 +29,9 @@ import numpy as np
 import pytest
 import requests
 from _http_fixtures import LoopbackHTTPServer
+from _prepare_v100_cuda_support import _tar_xz
 from _runbook import step_blocks
 from conftest import PY, REPO, SAMPLE, free_port, free_ports_on, token_rows, tree_digest
-from test_prepare_v100_cuda import _tar_xz
 from test_prepare_v100_model import FakeHub
 
 from openjev.cuda.manifest import DEFAULT_COMPONENT_NAMES
