@@ -1,5 +1,5 @@
 """The multi-host test PKI: a CA and the certificates deploy/openjev_certs.sh makes, laid out as each
-host's TLS_DIR. Used by tests/test_deployment_multihost.py and benchmarks/bench_multihost.py."""
+host's TLS_DIR. Used by tests/_deployment_multihost_support.py and benchmarks/bench_multihost.py."""
 
 from __future__ import annotations
 

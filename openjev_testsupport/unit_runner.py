@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Run the rendered OpenJEV units the way systemd runs them, where systemd is not PID 1.
 
-For CI containers and CPU machines (tests/test_deployment.py, benchmarks/bench_gateway.py, a
+For CI containers and CPU machines (tests/test_deployment_*.py, benchmarks/bench_gateway.py, a
 local demo). Production uses systemd itself; this module reads the same rendered unit files and
 reproduces only the parts of systemd's behaviour that the deployment relies on:
 

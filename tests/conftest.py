@@ -40,7 +40,8 @@ for p in (str(APP), str(REPO / "benchmarks"), str(REPO)):
 # started, no pipeline of scripts. Slow: a test of a module below, or one asking for a fixture that
 # builds the tiny model or starts a server. `make test` (CI) runs both tiers.
 SLOW_MODULES = {
-    "test_bench_scheduled", "test_deployment", "test_deployment_multihost", "test_embedded_gpu_divergence",
+    "test_bench_scheduled", "test_deployment_gateway", "test_deployment_install", "test_deployment_multihost_cluster",
+    "test_deployment_multihost_install", "test_embedded_gpu_divergence",
     "test_embedded_gpu_variants", "test_fused", "test_kernels", "test_make_tiny_model", "test_run_demo",
     "test_runbook_rehearsal",
     "test_score_reference", "test_serve_transformers", "test_serving_front", "test_sglang_cpu_engine",
@@ -49,7 +50,8 @@ SLOW_MODULES = {
 SLOW_FIXTURES = {"tiny_model", "overlay", "sample_tokens", "reference", "server"}
 # Run alone, after the parallel part of `make test`: HAProxy under systemd-socket-activate with timed
 # start-up (beside another worker's load the gateway tests reset connections).
-SERIAL_MODULES = {"test_deployment", "test_deployment_multihost", "test_runbook_rehearsal"}
+SERIAL_MODULES = {"test_deployment_gateway", "test_deployment_install", "test_deployment_multihost_cluster",
+                  "test_deployment_multihost_install", "test_runbook_rehearsal"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,7 +1,7 @@
 """benchmarks/bench_replicas_gpu.py: its math and its refusals. The whole run needs
 haproxy and two replicas; it ran on the GPU machine (results_h200/two_gpu/) and, with --device
 cpu, on this machine while it was written. The failover it measures is tested on CPU replicas in
-tests/test_deployment.py."""
+tests/test_deployment_gateway.py."""
 
 from __future__ import annotations
 
