@@ -14,6 +14,7 @@ needs a CUDA device.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -46,15 +47,7 @@ def stand_ins():
 
 
 # The schemas in sgl-kernel's csrc/common_extension.cc, as found in sglang-kernel's common_ops.abi3.so.
-KERNEL_SCHEMAS = {
-    "rmsnorm": "rmsnorm(Tensor! output, Tensor input, Tensor weight, float eps, bool enable_pdl) -> ()",
-    "fused_add_rmsnorm":
-        "fused_add_rmsnorm(Tensor! input, Tensor! residual, Tensor weight, float eps, bool enable_pdl) -> ()",
-    "gemma_rmsnorm": "gemma_rmsnorm(Tensor! output, Tensor input, Tensor weight, float eps, bool enable_pdl) -> ()",
-    "gemma_fused_add_rmsnorm":
-        "gemma_fused_add_rmsnorm(Tensor! input, Tensor! residual, Tensor weight, float eps, bool enable_pdl) -> ()",
-    "silu_and_mul": "silu_and_mul(Tensor! out, Tensor input) -> ()",
-}
+KERNEL_SCHEMAS = json.loads((Path(__file__).parent / "data" / "sgl_kernel_schemas.json").read_text())["schemas"]
 
 DTYPES = [torch.float16, torch.bfloat16]
 HIDDEN = [256, 2560, 100, 4096]      # 256: Qwen3.5's head_dim (q/k norm), 2560: its hidden size; 100: vec size 4
