@@ -14,7 +14,8 @@ from fastapi.responses import JSONResponse
 
 from openjev.engine.scheduler import PARSE_WORKERS, Engine
 from sglang_openjev import contract
-from sglang_openjev.routes import read_body  # the body, refused with 413 past the limit (shared with the adapter)
+# the body read (413 past the limit) and the classify pipeline, shared with the SGLang adapter
+from sglang_openjev.routes import ClassifyBackend, answer_classify, read_body
 
 log = logging.getLogger("openjev.transformers")
 
@@ -211,29 +212,18 @@ def create_app(engine: Engine) -> FastAPI:
         except Exception as exc:  # noqa: BLE001
             raise contract.ContractError(500, f"inference failed: {exc}", contract.INTERNAL) from None
 
-    def parse_native(body):
-        return contract.parse_classify(body, engine.limits(), engine.tokenize())
-
-    def parse_vllm(body):
-        return contract.parse_vllm_classify(body, engine.limits(), engine.tokenize(), engine.model_name)
-
-    async def vllm_classify(request: Request, body) -> JSONResponse:
-        req = await off_loop(parse_vllm, body)
-        logits = await score(request, req.rows)
-        return JSONResponse(contract.v1_classify_response(logits.tolist(), req.rows, engine.model_name,
-                                                          req.use_activation, request=req))
-
     def classify_route(path: str, vllm_only: bool):
         async def handler(request: Request):
             t0 = time.perf_counter()
             try:
                 require_ready()
                 body = await body_json(request, engine.args.max_batch_size)
-                if vllm_only or contract.is_vllm_request(body):
-                    return await vllm_classify(request, body)
-                rows = await off_loop(parse_native, body)
-                logits = await score(request, rows)
-                return JSONResponse(contract.classify_response(logits.tolist(), engine.model_name))
+
+                async def score_rows(rows):
+                    return (await score(request, rows)).tolist()
+
+                backend = ClassifyBackend(engine.limits(), engine.tokenize(), engine.model_name, score_rows)
+                return JSONResponse(await answer_classify(backend, body, off_loop, vllm_only))
             except contract.ContractError as exc:
                 return error(exc)
             except Disconnected:

@@ -297,6 +297,30 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(buf)
 
 
+@dataclass
+class ClassifyBackend:
+    """What the classify pipeline needs from an engine for one request: its input limits, its
+    tokenizer (for text inputs), the model name to answer with, and `score(rows)` -> logits rows."""
+
+    limits: contract.Limits
+    tokenize: Any
+    model_name: str
+    score: Callable[[list], Any]
+
+
+async def answer_classify(backend: ClassifyBackend, body: Any, offload: Callable, vllm_only: bool = False) -> dict:
+    """The one /classify and /v1/classify pipeline of both servers (this adapter and the embedded
+    backend, openjev/http_front.py): the request parsed off the event loop (`offload(fn, *args)`),
+    as vLLM's classify request where it is one (vLLM's own route is POST /classify {"model",
+    "input"}) or `vllm_only`, else as the native one; the rows scored; the matching response body."""
+    if vllm_only or contract.is_vllm_request(body):
+        req = await offload(contract.parse_vllm_classify, body, backend.limits, backend.tokenize, backend.model_name)
+        logits = await backend.score(req.rows)
+        return contract.v1_classify_response(logits, req.rows, backend.model_name, req.use_activation, request=req)
+    rows = await offload(contract.parse_classify, body, backend.limits, backend.tokenize)
+    return contract.classify_response(await backend.score(rows), backend.model_name)
+
+
 def _find_route(app: FastAPI, path: str) -> list:
     return [r for r in app.router.routes if getattr(r, "path", None) == path]
 
@@ -354,36 +378,20 @@ def install_routes(app: FastAPI, runtime: Optional[SGLangRuntime] = None,
         raw = await read_body(request, body_limit)
         return await asyncio.to_thread(contract.parse_json, raw, max_rows)  # off the event loop
 
-    async def vllm(request: Request, tm: Any, limits: contract.Limits, body: Any) -> JSONResponse:
-        req = await asyncio.to_thread(contract.parse_vllm_classify, body, limits, runtime.tokenizer(tm), model_name(tm))
-        logits = await runtime.logits(tm, req.rows, request)
-        return JSONResponse(contract.v1_classify_response(logits, req.rows, model_name(tm), req.use_activation,
-                                                          request=req))
-
-    async def classify(request: Request) -> JSONResponse:
-        try:
-            tm, sched = runtime.ready()
-            limits = input_limits(tm, sched, batch_limit, text_limit)
-            body = await body_json(request, limits.max_batch_size)
-            if contract.is_vllm_request(body):  # vLLM's own route is POST /classify {"model", "input"}
-                return await vllm(request, tm, limits, body)
-            rows = await asyncio.to_thread(contract.parse_classify, body, limits, runtime.tokenizer(tm))
-            logits = await runtime.logits(tm, rows, request)
-        except contract.ContractError as exc:
-            return _error(exc)
-        except Exception as exc:  # noqa: BLE001 - catch-all, JSON with a request id
-            return _internal_error(exc, "/classify")
-        return JSONResponse(contract.classify_response(logits, model_name(tm)))
-
-    async def v1_classify(request: Request) -> JSONResponse:
-        try:
-            tm, sched = runtime.ready()
-            limits = input_limits(tm, sched, batch_limit, text_limit)
-            return await vllm(request, tm, limits, await body_json(request, limits.max_batch_size))
-        except contract.ContractError as exc:
-            return _error(exc)
-        except Exception as exc:  # noqa: BLE001
-            return _internal_error(exc, "/v1/classify")
+    def classify_route(path: str, vllm_only: bool):
+        async def handler(request: Request) -> JSONResponse:
+            try:
+                tm, sched = runtime.ready()
+                limits = input_limits(tm, sched, batch_limit, text_limit)
+                body = await body_json(request, limits.max_batch_size)
+                backend = ClassifyBackend(limits, runtime.tokenizer(tm), model_name(tm),
+                                          functools.partial(runtime.logits, tm, request=request))
+                return JSONResponse(await answer_classify(backend, body, asyncio.to_thread, vllm_only))
+            except contract.ContractError as exc:
+                return _error(exc)
+            except Exception as exc:  # noqa: BLE001 - catch-all, JSON with a request id
+                return _internal_error(exc, path)
+        return handler
 
     async def flush_cache(request: Request) -> JSONResponse:
         try:
@@ -422,7 +430,8 @@ def install_routes(app: FastAPI, runtime: Optional[SGLangRuntime] = None,
         ours = adapter_server_info(tm, limits, counters, environ)
         return JSONResponse(_jsonable({**base, **ours}))
 
-    endpoints = {"/classify": classify, "/v1/classify": v1_classify, "/flush_cache": flush_cache,
+    endpoints = {"/classify": classify_route("/classify", False), "/v1/classify": classify_route("/v1/classify", True),
+                 "/flush_cache": flush_cache,
                  "/server_info": server_info}
     methods = {path: adopt_route_traits(app, path, fn, ADAPTER_ROUTES[path]) for path, fn in endpoints.items()}
     removed = remove_routes(app, list(ADAPTER_ROUTES))
