@@ -23,7 +23,7 @@ SGLANG_TESTS := tests/test_sglang_openjev_weights.py tests/test_sglang_openjev_p
 # SGLANG_DESELECT_<version> := --deselect tests/...::test_name, SGLANG_DESELECT_WHY_<version> := reason.
 # None at present.
 # Modules run only in one version's venv: 0.5.23's real CPU engine with the adapter (the CPU
-# ops are openjev_testsupport's stand-ins, sgl-kernel's CPU library cannot be installed here).
+# ops are tests/openjev_testsupport's stand-ins, sgl-kernel's CPU library cannot be installed here).
 # They go first, in a worker of their own (--no-loadscope-reorder: xdist would queue the module with
 # the fewest tests last, behind another module on one worker).
 SGLANG_EXTRA_TESTS_0.5.23 := tests/test_sglang_cpu_engine.py

@@ -2,7 +2,7 @@
 """What the production gateway costs and gives: HAProxy (deploy/) in front of embedded replicas.
 
 The deployment is the real one: units and haproxy.cfg rendered by deploy/install_units.sh
-(`--backend transformers`, stand-in ports on 127.0.0.1), run by openjev_testsupport/unit_runner.py the way
+(`--backend transformers`, stand-in ports on 127.0.0.1), run by tests/openjev_testsupport/unit_runner.py the way
 systemd runs them (socket held by this process and passed as fd 3, Type=notify, replicas through
 app/serve_sglang_v100.sh). Two replicas, one CPU thread each (OMP_NUM_THREADS=1).
 
@@ -218,7 +218,8 @@ def main() -> int:
     result = {
         **result_head(KIND, load_before, load_after, version),
         "deployment": "deploy/install_units.sh --backend transformers (tiny random-weight Qwen3.5 classifier, "
-                      "float32, exact batching, OMP_NUM_THREADS=1 per replica) run by openjev_testsupport/unit_runner.py; "
+                      "float32, exact batching, OMP_NUM_THREADS=1 per replica) run by "
+                      "tests/openjev_testsupport/unit_runner.py; "
                       "HAProxy master-worker on a socket held by the runner (fd 3)",
         "parameters": {"latency_pairs": args.latency_pairs, "requests": args.requests, "clients": args.clients,
                        "request_rows": "1 (even i) or 2 (odd i) rows of data/nli_sample.jsonl tokens",

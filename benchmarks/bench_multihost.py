@@ -5,7 +5,7 @@ Two hosts are played on one machine by two loopback addresses: the front host 12
 socket, HAProxy gateway with `--remote peer3=127.0.0.3:P`, two local replicas) and the peer host
 127.0.0.3 (HAProxy with `--peer-listen 127.0.0.3:P`, two replicas). Everything is rendered by
 deploy/install_units.sh (embedded backend, tiny random-weight model, one CPU thread per replica),
-the certificates are made by deploy/openjev_certs.sh, and openjev_testsupport/unit_runner.py runs the units as
+the certificates are made by deploy/openjev_certs.sh, and tests/openjev_testsupport/unit_runner.py runs the units as
 systemd does (see benchmarks/bench_gateway.py for the single-host version).
 
   latency   one client, one request at a time, the same request sent in turn over three paths to
@@ -345,7 +345,8 @@ def main() -> int:
         "deployment": "two hosts played on 127.0.0.2 (front: gateway with --remote peer3=127.0.0.3:P, two local "
                       "replicas) and 127.0.0.3 (peer: --peer-listen 127.0.0.3:P, two replicas); deploy/install_units.sh "
                       "--backend transformers (tiny random-weight model, float32, OMP_NUM_THREADS=1 per replica), "
-                      "certificates from deploy/openjev_certs.sh (ECDSA P-256), run by openjev_testsupport/unit_runner.py",
+                      "certificates from deploy/openjev_certs.sh (ECDSA P-256), run by "
+                      "tests/openjev_testsupport/unit_runner.py",
         "parameters": {"rounds": args.rounds, "prefix_affinity": args.prefix_affinity,
                        "affinity_rounds": args.affinity_rounds, "clients": args.clients,
                        "rows": len(rows), "model": "tiny random-weight"},

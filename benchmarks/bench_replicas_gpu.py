@@ -2,7 +2,7 @@
 """The production layout on GPUs: the gateway over two embedded replicas, failover under load.
 
 The deployment is the real one, as in benchmarks/bench_gateway.py: units and haproxy.cfg rendered by
-deploy/install_units.sh (`--backend transformers`), run by openjev_testsupport/unit_runner.py the way systemd
+deploy/install_units.sh (`--backend transformers`), run by tests/openjev_testsupport/unit_runner.py the way systemd
 runs them (socket held by the runner, fd 3; each replica's CUDA_VISIBLE_DEVICES comes from its unit
 instance, `Environment=CUDA_VISIBLE_DEVICES=%i`). Phases, each written to the receipt as it ends:
 

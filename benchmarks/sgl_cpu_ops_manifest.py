@@ -2,7 +2,7 @@
 """Write tests/data/sgl_cpu_ops/manifest.json from the recorded cases under it.
 
 Each tests/data/sgl_cpu_ops/<op>/<case>.json is one recorded call of the real sgl-kernel CPU op
-(sglang_openjev_cpu/record.py: from SGLang's engine, "source": "engine"; or
+(tests/sglang_openjev_cpu/record.py: from SGLang's engine, "source": "engine"; or
 benchmarks/sgl_cpu_ops_record_direct.py: "source": "direct"). The manifest lists per op its schema,
 argument names, the arguments it changed in place, its cases with their dtypes, and where the
 kernel came from (--revision, the library's sha256, the torch it was built against).

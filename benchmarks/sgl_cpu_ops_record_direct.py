@@ -3,14 +3,14 @@
 
 SGLang's engine calls `causal_conv1d_update_cpu` and `fused_sigmoid_gating_delta_rule_update_cpu`
 only when it decodes (generates tokens); an embedding/classification server only prefills, so the
-engine recording (sglang_openjev_cpu/record.py) never sees them. This script calls the real built
+engine recording (tests/sglang_openjev_cpu/record.py) never sees them. This script calls the real built
 ops with random inputs of the shapes and dtypes the engine passes for the tiny-gdn64 model in
 bf16 (2 key heads and 4 value heads of dim 64, conv width 4, float32 GDN states, int32 indices;
 read from sglang/srt/layers/attention/linear/gdn_backend.py and kernels/gdn_triton.py's decode path)
 and records them through the same recorder, marked `"source": "direct"`; also one raw varlen
 `causal_conv1d_fwd_cpu` call with a row continuing its conv history (has_initial_state True).
 
-    build/sglang-venvs/0.5.23/bin/python benchmarks/sgl_cpu_ops_record_direct.py \\
+    PYTHONPATH=tests build/sglang-venvs/0.5.23/bin/python benchmarks/sgl_cpu_ops_record_direct.py \\
         --ops-lib /tmp/sgl-cpu-build/out/common_ops.so --out tests/data/sgl_cpu_ops
 """
 from __future__ import annotations

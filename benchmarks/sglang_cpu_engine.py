@@ -193,7 +193,7 @@ def main(argv=None) -> int:
     ap.add_argument("--startup-timeout", type=float, default=600)
     ap.add_argument("--record-ops", type=Path, default=None,
                     help="also record real op calls (case radix_on_chunked16) into this folder "
-                         "(sglang_openjev_cpu/record.py)")
+                         "(tests/sglang_openjev_cpu/record.py)")
     a = ap.parse_args(argv)
     if not (a.sgl_kernel_src or a.ops_lib):
         ap.error("give --sgl-kernel-src (to build) or --ops-lib")
@@ -250,7 +250,11 @@ def main(argv=None) -> int:
             tag = f"{dtype}_{case}"
             port += 1
             url = f"http://127.0.0.1:{port}"
-            env = dict(os.environ, OPENJEV_SGL_CPU_OPS=str(lib), PYTHONPYCACHEPREFIX=str(work / "pycache"))
+            # the real-SGLang venv has no install of this checkout: the glue (sglang_openjev_cpu) and the
+            # stand-ins live under tests/, the adapter in the repository
+            path = os.pathsep.join(p for p in (str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")) if p)
+            env = dict(os.environ, OPENJEV_SGL_CPU_OPS=str(lib), PYTHONPYCACHEPREFIX=str(work / "pycache"),
+                       PYTHONPATH=path)
             if a.record_ops and case == "radix_on_chunked16":  # chunked rows: calls with initial states
                 env["OPENJEV_SGL_CPU_RECORD"] = str(a.record_ops / dtype)
             cmd = [str(a.python), "-m", "sglang_openjev_cpu.serve", "--model-path", str(model), "--host", "127.0.0.1",

@@ -47,7 +47,7 @@
 # Environment: PYTHON (python3), WORK (/tmp/openjev-sglang-gpu), SITE (/tmp/site), SETS ("s128 t564"),
 # SGLANG_ARGS (more serve_sglang_v100.sh flags), STAGE_TIMEOUT (seconds a stage, default 560),
 # REPETITIONS (3). Stand-ins: sgl-kernel's compiled ops are not carried (a 356 MiB wheel); its
-# Python package falls back to `import common_ops`, which openjev_testsupport/sgl_kernel_cuda_standin/shim
+# Python package falls back to `import common_ops`, which tests/openjev_testsupport/sgl_kernel_cuda_standin/shim
 # provides (pure-PyTorch norms and silu_and_mul, checked against FlashInfer's kernels).
 set -uo pipefail
 OUTDIR=${1:?usage: sglang_gpu_session.sh OUTDIR}
@@ -61,10 +61,11 @@ REPS=${REPETITIONS:-3}
 SHAPE=qwen3.5-4b
 MODEL="$W/model-$SHAPE"
 REPO=$(pwd -P)
-SHIM="$REPO/openjev_testsupport/sgl_kernel_cuda_standin/shim"
+SHIM="$REPO/tests/openjev_testsupport/sgl_kernel_cuda_standin/shim"
 mkdir -p "$R" "$OUTDIR"
-# the bundle's library (openjev, sglang_openjev) is not pip-installed on the GPU machine: the repo goes first
-export PYTHONPATH="$REPO:$SITE:$SHIM${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# the bundle's library (openjev, sglang_openjev) is not pip-installed on the GPU machine: the repo goes first,
+# then tests/ (the test support package openjev_testsupport, which the shim's common_ops imports)
+export PYTHONPATH="$REPO:$REPO/tests:$SITE:$SHIM${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # sgl_kernel's package metadata says 0.4.10, but its compiled library is absent: SGLang's start-up
 # version assertion reads the distribution, not the ops.
 export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1

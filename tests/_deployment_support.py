@@ -9,7 +9,7 @@ What plays the part of systemd (PID 1 is not systemd here):
   * systemd-socket-activate (Debian package systemd): the activation test. It binds the socket,
     waits for the first connection and execs the gateway with LISTEN_FDS=1 on fd 3, exactly the
     protocol of a socket unit. It exits with its child, so it cannot model restarts.
-  * openjev_testsupport/unit_runner.py: everything else. It reads the rendered unit files and runs them as
+  * tests/openjev_testsupport/unit_runner.py: everything else. It reads the rendered unit files and runs them as
     systemd does: it binds the socket unit's ListenStream and holds it for its whole life (as
     PID 1 does across service restarts), passes it as fd 3 with LISTEN_FDS/LISTEN_PID, waits for
     READY=1 over NOTIFY_SOCKET (Type=notify), stops with KillSignal= to the main PID

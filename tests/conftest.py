@@ -30,7 +30,8 @@ os.environ.setdefault("PYTHONPYCACHEPREFIX", str(REPO / "build" / "pycache"))
 sys.pycache_prefix = os.environ["PYTHONPYCACHEPREFIX"]
 
 # The one place that edits sys.path: unit tests import step scripts (app/) and benchmark drivers
-# (benchmarks/) as modules, and this checkout's packages ahead of any installed copy.
+# (benchmarks/) as modules, and this checkout's packages ahead of any installed copy. The test support
+# packages (openjev_testsupport, sglang_openjev_cpu) live in tests/, on sys.path as this file's folder.
 for p in (str(APP), str(REPO / "benchmarks"), str(REPO)):
     if p not in sys.path:
         sys.path.insert(0, p)

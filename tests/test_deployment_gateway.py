@@ -1,5 +1,5 @@
 """Production deployment, for real: systemd socket -> HAProxy gateway -> two replicas on 127.0.0.1, run by
-openjev_testsupport/unit_runner.py (tests/_deployment_support.py says what plays the part of systemd).
+tests/openjev_testsupport/unit_runner.py (tests/_deployment_support.py says what plays the part of systemd).
 Socket activation with systemd's own tool, a replica crash and a graceful replica restart under load,
 drain and ready over HAProxy's runtime API, the gateway restarted, reloaded and crashed under load, and
 the production port held against a second standalone server.

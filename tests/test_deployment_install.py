@@ -1,6 +1,6 @@
 """Production deployment, installing it: deploy/install_units.sh (help, dry run, refusal and --force, a
 missing --root), the units and haproxy.cfg it renders, systemd-analyze verify on them, and
-openjev_testsupport/unit_runner.py's refusal of a missing working directory. Real processes, nothing
+tests/openjev_testsupport/unit_runner.py's refusal of a missing working directory. Real processes, nothing
 mocked (tests/_deployment_support.py says what plays the part of systemd).
 
 Skips (pytest -rs shows why) when haproxy (apt-get install haproxy) or systemd-analyze (apt-get
@@ -134,8 +134,9 @@ def test_install_units_creates_a_missing_root(overlay, tmp_path):
 def test_unit_runner_names_a_missing_working_directory_in_one_line(overlay, tmp_path):
     r = render(tmp_path, overlay, free_port(), free_port(), free_ports_on("127.0.0.1", 2))
     r["root"].rmdir()  # the root went away after the install (or was never made)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])}  # the test support package
     proc = subprocess.run([PY, "-m", "openjev_testsupport.unit_runner", str(r["units"])], capture_output=True, text=True,
-                          timeout=60)
+                          timeout=60, env=env)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and lines[0].startswith("unit_runner.py: error: openjev-replica@0.service: "

@@ -8,7 +8,7 @@ Three hosts are played on one machine by three loopback addresses, and only thos
   127.0.0.4  peer host "peer4": the same
 Every file comes from deploy/install_units.sh (one rendering per host, `--local-address` puts each
 host's loopback services on its address), every certificate from deploy/openjev_certs.sh (OpenSSL),
-and openjev_testsupport/unit_runner.py runs each host's units the way systemd does (see
+and tests/openjev_testsupport/unit_runner.py runs each host's units the way systemd does (see
 tests/_deployment_support.py). Replicas: the embedded backend (`--backend transformers`) on the tiny
 model, one thread each.
 

@@ -8,7 +8,7 @@ operator shell. Downloads come from loopback HTTP servers with real files and re
 redistributables (real .tar.xz archives of every default component, the manifest's sha256 pinned)
 and the Hugging Face hub (the tiny model's processor configs). The V100 steps run to their refusal
 and change nothing; the embedded backend serves steps 6-10, as the runbook says for a host without
-a V100; step 10's systemctl is played by openjev_testsupport/unit_runner.py, HAProxy for real.
+a V100; step 10's systemctl is played by tests/openjev_testsupport/unit_runner.py, HAProxy for real.
 The second pass must change nothing but the measurements (MEASURED).
 """
 
@@ -74,9 +74,9 @@ SUBSTITUTIONS: list[tuple[int, str, str, str]] = [
      "free ports instead of 31000, 31100-31101 and 31090"),
     (10, "systemctl --user daemon-reload", "true", "PID 1 is not systemd here; the unit runner reads the files afresh"),
     (10, "systemctl --user enable --now openjev.target openjev-gateway.socket",
-     "PYTHONPATH={repo} nohup {py} {repo}/openjev_testsupport/unit_runner.py ~/.config/systemd/user "
+     "PYTHONPATH={repo}:{repo}/tests nohup {py} -m openjev_testsupport.unit_runner ~/.config/systemd/user "
      "--runtime-dir {runtime} --log-dir {journal} > {journal}.log 2>&1 & echo $! > {unit_runner_pid}",
-     "openjev_testsupport/unit_runner.py plays systemd (socket held on fd 3, Type=notify, the replicas' env files)"),
+     "tests/openjev_testsupport/unit_runner.py plays systemd (socket held on fd 3, Type=notify, the replicas' env files)"),
     (10, "127.0.0.1:31000", "127.0.0.1:{gw_port}", "as --port above"),
 ]
 # The environment every step starts from (then each step's exports): (name, value, why).

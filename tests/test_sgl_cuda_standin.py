@@ -27,7 +27,7 @@ import torch
 import openjev_testsupport.sgl_kernel_cuda_standin as standin
 
 REPO = Path(__file__).resolve().parents[1]
-SHIM = REPO / "openjev_testsupport" / "sgl_kernel_cuda_standin" / "shim"
+SHIM = REPO / "tests" / "openjev_testsupport" / "sgl_kernel_cuda_standin" / "shim"
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -145,7 +145,7 @@ def test_registering_over_the_compiled_library_is_refused_and_the_shim_registers
     one line naming the op; without it, importing the shim's common_ops registers the stand-ins, and
     OPENJEV_STANDIN_CALL_LOG gets one line per op called (the first call)."""
     log = tmp_path / "calls.log"
-    env = {**os.environ, "PYTHONPATH": f"{SHIM}:{REPO}", "SCHEMA": KERNEL_SCHEMAS["rmsnorm"],
+    env = {**os.environ, "PYTHONPATH": f"{SHIM}:{REPO / 'tests'}:{REPO}", "SCHEMA": KERNEL_SCHEMAS["rmsnorm"],
            "OPENJEV_STANDIN_CALL_LOG": str(log)}
     proc = subprocess.run([sys.executable, "-c", _REFUSE_THEN_SHIM], capture_output=True, text=True, env=env,
                           timeout=120)
@@ -321,7 +321,8 @@ def test_sgl_kernels_wrappers_call_the_stand_ins(tmp_path):
     pkg = tmp_path / "site" / "sgl_kernel"
     shutil.copytree(src, pkg, ignore=lambda d, names: [n for n in names if n.endswith(".so") or n == "__pycache__"])
     log = tmp_path / "calls.log"
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}:{SHIM}:{REPO}", "OPENJEV_STANDIN_CALL_LOG": str(log),
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}:{SHIM}:{REPO / 'tests'}:{REPO}",
+           "OPENJEV_STANDIN_CALL_LOG": str(log),
            "CUDA_VISIBLE_DEVICES": "", "SHIM": str(SHIM)}
     proc = subprocess.run([sys.executable, "-c", _WRAPPER_RUN], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

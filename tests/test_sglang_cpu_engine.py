@@ -114,7 +114,8 @@ class Engine:
         self.port = free_port()
         self.log = log
         env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "OPENJEV_SGL_CPU_OPS": ops_env(), "PYTHONUNBUFFERED": "1",
-               "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+               "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", ""))
+                                             if p)}
         if call_log is not None:
             env["OPENJEV_STANDIN_CALL_LOG"] = str(call_log)
         cmd = [PY, "-m", "sglang_openjev_cpu.serve", "--model-path", str(model), "--host", "127.0.0.1",

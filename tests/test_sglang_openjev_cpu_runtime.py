@@ -29,6 +29,8 @@ def test_configure_environment_sets_engine_and_path():
     parts = env["PYTHONPATH"].split(":")
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env[runtime.AMX_ENV] == "0"
     assert str(runtime.SHIM_DIR) in parts and str(runtime.REPO_ROOT) in parts and parts[-1] == "/x"
+    assert str(runtime.SUPPORT_ROOT) in parts and (runtime.SUPPORT_ROOT / "openjev_testsupport").is_dir()
+    assert (runtime.REPO_ROOT / "sglang_openjev").is_dir()
     assert (runtime.SHIM_DIR / "common_ops.py").is_file()
 
 

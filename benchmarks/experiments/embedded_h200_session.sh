@@ -23,7 +23,7 @@
 #   http16         the same with --max-running-requests 16
 #   replicas       the gateway over two replicas on a one-GPU machine: a 128-row set of short premises (64-256 tokens) and
 #                  its FP16 reference, then benchmarks/bench_replicas_gpu.py --share-gpu 0 (the gateway
-#                  and two embedded replicas run by openjev_testsupport/unit_runner.py, both on GPU 0; placement,
+#                  and two embedded replicas run by tests/openjev_testsupport/unit_runner.py, both on GPU 0; placement,
 #                  exclusivity, throughput one vs two replicas, failover of 2,000 requests with a
 #                  SIGKILLed replica); HAPROXY names the HAProxy executable (default: haproxy on PATH);
 #                  REPLICA_BATCHING (exact: answers bitwise the reference; padded) and MAX_PROB_DIFF
@@ -45,8 +45,9 @@ PROFILE_ARGS=${PROFILE_ARGS:-} SERVER_ARGS=${SERVER_ARGS:---max-running-requests
 OPENJEV_COMPILE=${OPENJEV_COMPILE:-}
 OUTDIR=${1:?usage: embedded_h200_session.sh OUTDIR}
 PY=${PYTHON:-python3}
-# the bundle's library (openjev, sglang_openjev) is not pip-installed on the GPU machine
-export PYTHONPATH="$(pwd -P)${PYTHONPATH:+:$PYTHONPATH}"
+# the bundle's library (openjev, sglang_openjev) is not pip-installed on the GPU machine; tests/ holds the
+# test support package (openjev_testsupport) that benchmarks/bench_replicas_gpu.py imports
+export PYTHONPATH="$(pwd -P):$(pwd -P)/tests${PYTHONPATH:+:$PYTHONPATH}"
 W=${WORK:-/tmp/openjev-h200}
 R="$W/results-embedded"
 SHAPE=${SHAPE:-qwen3.5-4b}

@@ -24,7 +24,7 @@ import numpy as np
 from openjev.common import UserError, atomic_write_json, git_revision, utc_now
 from openjev_testsupport.ports import free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # tests/openjev_testsupport/ -> the repository
 APP = REPO / "app"
 PY = sys.executable
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 try:
     import openjev_testsupport.sgl_kernel_cuda_standin as _standin
-except ImportError:  # only this directory on the path: add the repository root it lives in
+except ImportError:  # only this directory on the path: add the folder the package lives in (tests/)
     sys.path.append(str(Path(__file__).resolve().parents[3]))
     import openjev_testsupport.sgl_kernel_cuda_standin as _standin
 

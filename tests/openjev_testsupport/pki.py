@@ -7,7 +7,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-CERTS = Path(__file__).resolve().parents[1] / "deploy" / "openjev_certs.sh"
+# tests/openjev_testsupport/ -> the repository
+CERTS = Path(__file__).resolve().parents[2] / "deploy" / "openjev_certs.sh"
 
 
 def make_host_tls(base: Path, certs: Callable[..., object], peers: dict[str, tuple[str, str]],

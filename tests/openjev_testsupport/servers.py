@@ -12,7 +12,7 @@ from pathlib import Path
 
 import requests
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # tests/openjev_testsupport/ -> the repository
 SERVE = REPO / "app" / "serve_transformers.py"
 
 

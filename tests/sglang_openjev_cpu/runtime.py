@@ -17,8 +17,8 @@ Which CPU ops (environment, read in every SGLang process):
 
 How the ops get in: `import sgl_kernel` (done early by every SGLang process) first tries its CUDA
 library, which cannot load without a CUDA driver, then falls back to `import common_ops`
-(sgl_kernel/load_utils.py). `configure_environment` puts `ops_shim/` on PYTHONPATH; its
-`common_ops` module calls `load_ops()` here.
+(sgl_kernel/load_utils.py). `configure_environment` puts `ops_shim/` on PYTHONPATH (and the
+repository and tests/, for the adapter and this package); its `common_ops` module calls `load_ops()` here.
 
 What SGLang 0.5.23 on CPU needs besides the ops, done here at run time (no installed file is edited):
   * `sglang/kernels/ops/attention/fla/layernorm_gated.py` takes the CPU op `fused_rmsnorm_gated_cpu`
@@ -66,7 +66,8 @@ AMX_ENV = "OPENJEV_SGL_CPU_AMX"
 STANDIN = "standin"
 STANDIN_MODULE = "openjev_testsupport.sgl_kernel_cpu_standin"
 SHIM_DIR = Path(__file__).resolve().with_name("ops_shim")
-REPO_ROOT = Path(__file__).resolve().parents[1]
+SUPPORT_ROOT = Path(__file__).resolve().parents[1]  # tests/: this package and openjev_testsupport
+REPO_ROOT = SUPPORT_ROOT.parent  # the library and the adapter
 
 LAYERNORM_GATED = "sglang.kernels.ops.attention.fla.layernorm_gated"
 QWEN3_5 = "sglang.srt.models.qwen3_5"
@@ -115,7 +116,7 @@ def configure_environment(environ: MutableMapping[str, str]) -> None:
     environ["SGLANG_USE_CPU_ENGINE"] = "1"
     environ.setdefault(AMX_ENV, "0")
     parts = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    for entry in (str(REPO_ROOT), str(SHIM_DIR)):
+    for entry in (str(REPO_ROOT), str(SUPPORT_ROOT), str(SHIM_DIR)):
         if entry not in parts:
             parts.insert(0, entry)
     environ["PYTHONPATH"] = os.pathsep.join(parts)
