@@ -56,6 +56,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -324,7 +325,16 @@ class _PatchingLoader(importlib.abc.Loader):
 
 
 class _PatchingFinder(importlib.abc.MetaPathFinder):
+    """Patches the modules of PATCHES as they load, and gives sgl_kernel's fallback `import
+    common_ops` the ops shim (ops_shim/common_ops.py) where no other `common_ops` is found."""
+
     def find_spec(self, fullname, path, target=None):
+        if fullname == "common_ops":
+            for finder in sys.meta_path:
+                spec = finder.find_spec(fullname, path, target) if finder is not self and hasattr(finder, "find_spec") else None
+                if spec is not None:
+                    return spec
+            return importlib.util.spec_from_file_location("common_ops", SHIM_DIR / "common_ops.py")
         if fullname not in PATCHES:
             return None
         for finder in sys.meta_path:
@@ -353,8 +363,6 @@ def install() -> list[str]:
 
         torch.cpu._is_amx_tile_supported = lambda: False
         applied.append("torch.cpu._is_amx_tile_supported=False")
-    if str(SHIM_DIR) not in sys.path:
-        sys.path.append(str(SHIM_DIR))
     sys.meta_path.insert(0, _PatchingFinder())
     for name in PATCHES:
         if name in sys.modules:

@@ -1,18 +1,11 @@
 """The module sgl_kernel falls back to (``import common_ops``) when no compiled library loads.
 
-Put this directory on PYTHONPATH on a machine whose sgl_kernel package lacks its compiled
-``common_ops`` library: importing this registers the pure-PyTorch stand-ins
+Put this directory and tests/ on PYTHONPATH on a machine whose sgl_kernel package lacks its
+compiled ``common_ops`` library: importing this registers the pure-PyTorch stand-ins
 (openjev_testsupport.sgl_kernel_cuda_standin) as torch.ops.sgl_kernel.<name>.
 """
 
-import sys
-from pathlib import Path
-
-try:
-    import openjev_testsupport.sgl_kernel_cuda_standin as _standin
-except ImportError:  # only this directory on the path: add the folder the package lives in (tests/)
-    sys.path.append(str(Path(__file__).resolve().parents[3]))
-    import openjev_testsupport.sgl_kernel_cuda_standin as _standin
+import openjev_testsupport.sgl_kernel_cuda_standin as _standin
 
 _standin.register()
 
