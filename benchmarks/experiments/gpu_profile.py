@@ -105,6 +105,10 @@ def time_padded_passes(clf, rows, groups, passes, device):
     return times
 
 
+# the code's own labelled ranges (torch.profiler.record_function "openjev.*"), reported with their children
+RANGE_PREFIX = "openjev."
+
+
 def prof_tables(fn, device, path: Path, rows=30):
     from torch.profiler import ProfilerActivity, profile
 
@@ -121,7 +125,9 @@ def prof_tables(fn, device, path: Path, rows=30):
     path.write_text("\n".join(text))
     summary = {"events": len(ka)}
     if device.startswith("cuda"):
-        dev = [(e.key, getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)), e.count) for e in ka]
+        # kernels only: a labelled range's device time is the span of the kernels inside it
+        dev = [(e.key, getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)), e.count)
+               for e in ka if not e.key.startswith(RANGE_PREFIX)]
         total = sum(t for _, t, _ in dev) or 1
         cats = {"gemm": 0, "fla_triton": 0, "attention": 0, "conv": 0, "other": 0}
         for name, t, _ in dev:
@@ -140,10 +146,9 @@ def prof_tables(fn, device, path: Path, rows=30):
         summary["device_share"] = {k: round(v / total, 3) for k, v in cats.items()}
         summary["top_device"] = sorted(([k, round(t, 1), c] for k, t, c in dev), key=lambda x: -x[1])[:25]
         summary["kernel_launches"] = sum(c for k, t, c in dev if t > 0)
-    # the code's own labelled ranges (torch.profiler.record_function "openjev.*"): totals with children
     summary["ranges"] = {e.key: {"cpu_us": round(e.cpu_time_total, 1), "count": e.count,
                                  "device_us": round(getattr(e, "device_time_total", 0), 1)}
-                         for e in ka if e.key.startswith("openjev.")}
+                         for e in ka if e.key.startswith(RANGE_PREFIX)}
     cpu = sorted(((e.key, e.self_cpu_time_total, e.count) for e in ka), key=lambda x: -x[1])[:25]
     summary["top_cpu"] = [[k, round(t, 1), c] for k, t, c in cpu]
     return summary

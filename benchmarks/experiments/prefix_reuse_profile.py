@@ -32,7 +32,7 @@ from types import SimpleNamespace
 import numpy as np
 from gpu_profile import base_parser, prof_tables, sync
 
-from openjev.common import read_tokens, truncate_rows
+from openjev.common import entailment_prob, read_tokens, truncate_rows
 
 MODES = ("padded", "prefix_flushed", "prefix_warm", "prefix_nocache")
 
@@ -59,8 +59,6 @@ WATCHED = (("linear_attn.in_proj_qkv", False), ("linear_attn.norm", True), ("lin
 def divergence(clf, forwards, rows, picks) -> dict:
     """Module outputs of each picked row's exact forward vs the prefix path's: a forward of the rows'
     prefixes (to the last 64-token boundary, keeping states) and one of their tails from those states."""
-    import torch
-
     from openjev.engine.classifier import score_exact
     from openjev.engine.prefix import GDN_CHUNK
 
@@ -100,7 +98,7 @@ def divergence(clf, forwards, rows, picks) -> dict:
         tails = [len(rows[i]) - c for i, c in zip(picks, cuts)]
         mode.update(phase="tail", spans=[(i, c, n) for i, c, n in zip(picks, cuts, tails)], width=max(tails))
         forwards.run([(st, rows[i][c:]) for i, c, st in zip(picks, cuts, states)], False)
-        torch.cuda.synchronize() if clf.device.startswith("cuda") else None
+        sync(clf.device)
     finally:
         for h in handles:
             h.remove()
@@ -144,12 +142,6 @@ def run_pass(step_fn, rows, steps, device):
     return time.perf_counter() - t0, logits, computed, forwards
 
 
-def entailment(logits):
-    z = logits - logits.max(axis=1, keepdims=True)
-    p = np.exp(z)
-    return (p / p.sum(axis=1, keepdims=True))[:, 1]
-
-
 def main() -> int:
     args = build_parser().parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -186,7 +178,7 @@ def main() -> int:
             base = logits
         m = {"passes": out, "median_s": round(statistics.median(p["seconds"] for p in out[1:]), 4)}
         if base is not None and mode != "padded":
-            m["max_abs_dp_e"] = float(np.abs(entailment(logits) - entailment(base)).max())
+            m["max_abs_dp_e"] = float(np.abs(entailment_prob(logits) - entailment_prob(base)).max())
             m["argmax_changes"] = int((logits.argmax(1) != base.argmax(1)).sum())
         res["modes"][mode] = m
         print(mode, json.dumps({k: v for k, v in m.items() if k != "passes"}), out[-1], flush=True)

@@ -246,9 +246,9 @@ def rowwise_attention() -> str:
             return inner(module, query, key, value, attention_mask, **kwargs)
         starts = layout.starts or (0,) * len(layout.lengths)
         out = query.new_zeros((query.shape[0], query.shape[2], query.shape[1], value.shape[-1]))
+        odd = layout.per_row_states  # a state-keeping forward stops on a 64-token boundary inside the row
         for j, (n, p) in enumerate(zip(layout.lengths, starts)):
             q, k, v = query[j:j + 1, :, :n], key[j:j + 1, :, off - p: off + n], value[j:j + 1, :, off - p: off + n]
-            odd = layout.per_row_states  # a state-keeping forward stops on a 64-token boundary inside the row
             if p == 0 and not (odd and n % FLASH_QUERY_TILE == 0):
                 row = inner(module, q, k, v, None, **kwargs)[0]
             else:
@@ -303,11 +303,19 @@ def padded_rows(lengths: list[int]):
     return padded_layout(lengths)
 
 
+def to_device(tensor, device):
+    """A host tensor on `device` without waiting for queued GPU work: on a GPU copied from pinned
+    memory with non_blocking=True (PyTorch's default copy synchronizes the stream, i.e. waits for
+    the forwards already queued); elsewhere as is."""
+    if not str(device).startswith("cuda"):
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def padded_logits(clf: Classifier, rows: list[list[int]]):
     """Launch one right-padded forward of `rows` and return its logits left on the device
-    ([n, 3], the model's dtype), so a caller can queue several forwards before one host copy.
-    On a GPU the ids and mask are copied from pinned memory with non_blocking=True: PyTorch's
-    default (blocking) copy synchronizes the stream, i.e. waits for the forwards already queued."""
+    ([n, 3], the model's dtype), so a caller can queue several forwards before one host copy
+    (ids and mask copied by to_device)."""
     import torch
 
     width = max(len(r) for r in rows)
@@ -316,11 +324,8 @@ def padded_logits(clf: Classifier, rows: list[list[int]]):
     for i, row in enumerate(rows):
         ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
         mask[i, : len(row)] = 1
-    gpu = str(clf.device).startswith("cuda")
-    if gpu:
-        ids, mask = ids.pin_memory(), mask.pin_memory()
     with torch.inference_mode(), padded_rows([len(r) for r in rows]):
-        return _forward(clf, ids.to(clf.device, non_blocking=gpu), mask.to(clf.device, non_blocking=gpu))
+        return _forward(clf, to_device(ids, clf.device), to_device(mask, clf.device))
 
 
 def score_padded(clf: Classifier, rows: list[list[int]]) -> np.ndarray:

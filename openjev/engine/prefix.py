@@ -9,8 +9,9 @@ continuation forward runs, two functions the model calls know the padded layout 
 classifier.padded_layout): attention runs row by row, the whole row's causal call with the prefix's
 queries left out (bit for bit the exact forward's attention, see classifier._attend_after_prefix)
 and, where a row's end state is kept, the chunked gated delta rule sees the right padding as inert
-tokens (decay 1, no write), so padding never runs into a state. Arithmetic: the prefix is summed apart from the rest, so logits are close to the exact
-forward's, not bitwise (the agreement goal applies); the default path stays the exact one.
+tokens (decay 1, no write), so padding never runs into a state. Arithmetic: the prefix is summed
+apart from the rest, so logits are close to the exact forward's, not bitwise (the agreement goal
+applies); the default path stays the exact one.
 
 A step: (1) every row looks up the longest cached prefix of itself; (2) rows of the step that share
 at least `min_tokens` tokens beyond that run the shared part once; (3) each row runs from its best
@@ -190,7 +191,7 @@ class ContinuationForwards:
     def run(self, items: list, want_states: bool):
         """items: (start PrefixState or None, tokens to run). Returns (logits [n, 3] on the device,
         the state after each row, or None)."""
-        from openjev.engine.classifier import padded_layout
+        from openjev.engine.classifier import padded_layout, to_device
 
         torch = self.torch
         dev = self.clf.device
@@ -207,8 +208,7 @@ class ContinuationForwards:
             pos[b] = torch.arange(start, start + width)
         with torch.profiler.record_function("openjev.prefix.cache_build"):
             cache = self._cache([s for s, _ in items], offset, want_states)
-        gpu = str(dev).startswith("cuda")  # pinned and non-blocking: a plain copy would wait for queued forwards
-        ids, mask, pos = ((t.pin_memory() if gpu else t).to(dev, non_blocking=gpu) for t in (ids, mask, pos))
+        ids, mask, pos = (to_device(t, dev) for t in (ids, mask, pos))
         valid = mask[:, offset:].bool() if want_states else None
         with torch.inference_mode(), padded_layout(lengths, starts, offset, per_row_states=want_states, valid=valid):
             out = self.clf.model(input_ids=ids, attention_mask=mask, position_ids=pos,
@@ -256,11 +256,11 @@ class ContinuationForwards:
 
     def _states(self, cache, starts, lengths, offset) -> list[PrefixState]:
         """Each row's state after its real tokens, one allocation per row and kind."""
+        from openjev.engine.classifier import to_device
+
         torch = self.torch
-        dev = self.clf.device
         ends = torch.tensor(lengths, dtype=torch.long)[:, None] + torch.arange(self.kernel)  # a row's last inputs
-        gpu = str(dev).startswith("cuda")
-        ends = (ends.pin_memory() if gpu else ends).to(dev, non_blocking=gpu)
+        ends = to_device(ends, self.clf.device)
         convs = []
         for li in self.linear:
             recorded = cache.layers[li].conv_states[0]  # [rows, conv_dim, kernel + width]
@@ -351,7 +351,6 @@ class PrefixEngine:
         stats = {"forwards": 0, "computed": 0, "padded": 0}
 
         torch = self.forwards.torch
-
         rows_cap = max(max_rows, PREFIX_FORWARD_ROWS)
 
         def forward(phase, items, want_states):
