@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""Can rows of different lengths share one causal attention call and keep each row's own bits?
+
+The embedded backend attends row by row (openjev/engine/classifier.py rowwise_attention) because its
+logits must be the unpadded forward's bit for bit, and a padded forward's attention is a host cost a
+row and layer. This checks, on a CUDA GPU, Transformers' SDPA call (FlashAttention, causal, GQA) at
+Qwen3.5-4B's attention shape (16 query / 4 key-value heads of 256) for each row of a set of lengths:
+
+  alone        the row's own call, [1, heads, T, 256] (what the exact forward runs)
+  twice        the same row twice in one call (batch 2): whether batch size alone changes its bits
+  padded       all rows right-padded with zeros to the longest, one call; the row's first T outputs
+  padded_long  the same for the rows of at least --long tokens only
+
+and prints, per variant, which rows are bitwise equal to `alone` (and the largest difference), then the
+time of the per-row loop against one padded call. Output: one JSON object (--out, else stdout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lengths", default="130,200,257,320,448,511,512,575,640,700,777,832,896,900,960,1024,1100,1217,1280,1409,1500,1600",
+                   help="row lengths in tokens, comma-separated")
+    p.add_argument("--long", type=int, default=896, help="the padded_long variant's shortest row")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=20, help="timed repetitions of each layout")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None)
+
+
+def sdpa(q, k, v):
+    import torch
+
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1,
+                                                           scale=q.shape[-1] ** -0.5, enable_gqa=True)
+    return out.transpose(1, 2).contiguous()  # [b, T, heads, dim], as Transformers returns it
+
+
+def padded(rows):
+    import torch
+
+    width = max(q.shape[2] for q, _, _ in rows)
+
+    def pad(t):
+        return torch.nn.functional.pad(t, (0, 0, 0, width - t.shape[2]))
+
+    return tuple(torch.cat([pad(r[i]) for r in rows]) for i in range(3))
+
+
+def compare(reference, got) -> dict:
+    import torch
+
+    diff = (reference.float() - got.float()).abs().max().item()
+    return {"bitwise": bool(torch.equal(reference, got)), "max_abs_diff": diff}
+
+
+def timed(fn, repeats: int) -> float:
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / repeats
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("attention_batching_check: error: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.manual_seed(args.seed)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    dev = "cuda"
+    rows = [(torch.randn(1, args.heads, n, args.head_dim, device=dev, dtype=torch.float16),
+             torch.randn(1, args.kv_heads, n, args.head_dim, device=dev, dtype=torch.float16),
+             torch.randn(1, args.kv_heads, n, args.head_dim, device=dev, dtype=torch.float16)) for n in lengths]
+    alone = [sdpa(*r)[0] for r in rows]
+    report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "lengths": lengths,
+              "shape": {"heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim}, "variants": {}}
+
+    twice = []
+    for (q, k, v), ref in zip(rows, alone):
+        out = sdpa(torch.cat([q, q]), torch.cat([k, k]), torch.cat([v, v]))
+        twice.append(compare(ref, out[0]))
+    report["variants"]["twice"] = twice
+
+    def batched(members):
+        q, k, v = padded([rows[i] for i in members])
+        out = sdpa(q, k, v)
+        return {lengths[i]: compare(alone[i], out[b, :lengths[i]]) for b, i in enumerate(members)}
+
+    report["variants"]["padded"] = batched(list(range(len(rows))))
+    long_rows = [i for i, n in enumerate(lengths) if n >= args.long]
+    report["variants"]["padded_long"] = batched(long_rows) if len(long_rows) > 1 else {}
+
+    def loop():
+        for r in rows:
+            sdpa(*r)
+
+    def one_call():
+        sdpa(*padded(rows))
+
+    report["seconds"] = {"per_row_loop": timed(loop, args.repeats), "one_padded_call": timed(one_call, args.repeats)}
+    for name, res in report["variants"].items():
+        items = res if isinstance(res, list) else list(res.values())
+        keys = lengths if isinstance(res, list) else list(res)
+        same = [n for n, r in zip(keys, items) if r["bitwise"]]
+        print(f"{name}: bitwise for {len(same)}/{len(items)} rows {same}; "
+              f"max diff {max((r['max_abs_diff'] for r in items), default=0):.3g}", file=sys.stderr)
+    print(f"per-row loop {report['seconds']['per_row_loop'] * 1e3:.2f} ms, one padded call "
+          f"{report['seconds']['one_padded_call'] * 1e3:.2f} ms", file=sys.stderr)
+    text = json.dumps(report, indent=1)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_cli_args(parser)
+    sys.exit(main(parser.parse_args()))
