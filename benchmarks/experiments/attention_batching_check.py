@@ -9,7 +9,9 @@ Qwen3.5-4B's attention shape (16 query / 4 key-value heads of 256) for each row 
   alone        the row's own call, [1, heads, T, 256] (what the exact forward runs)
   twice        the same row twice in one call (batch 2): whether batch size alone changes its bits
   padded       all rows right-padded with zeros to the longest, one call; the row's first T outputs
-  padded_long  the same for the rows of at least --long tokens only
+  padded_long  the rows of at least --long tokens whose length is not a multiple of 64, padded to the
+               longest of them (not a multiple of 64 either)
+  padded_long_even  the same rows padded to the next multiple of 64 (FlashAttention's whole-tiles variant)
 
 and prints, per variant, which rows are bitwise equal to `alone` (and the largest difference), then the
 time of the per-row loop against one padded call. Output: one JSON object (--out, else stdout).
@@ -24,9 +26,11 @@ import time
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lengths", default="130,200,257,320,448,511,512,575,640,700,777,832,896,900,960,1024,1100,1217,1280,1409,1500,1600",
+    p.add_argument("--lengths", default="130,200,257,320,448,511,512,575,640,700,777,832,833,896,900,960,1024,1100,1217,1280,1409,1500,1601",
                    help="row lengths in tokens, comma-separated")
-    p.add_argument("--long", type=int, default=896, help="the padded_long variant's shortest row")
+    p.add_argument("--long", type=int, default=833,
+                   help="the padded_long variants' shortest row (default: where 16 heads x its 64-query blocks "
+                        "reach 0.8 x 2 x 132 SMs, so FlashAttention no longer splits its keys)")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=256)
@@ -43,10 +47,10 @@ def sdpa(q, k, v):
     return out.transpose(1, 2).contiguous()  # [b, T, heads, dim], as Transformers returns it
 
 
-def padded(rows):
+def padded(rows, width=None):
     import torch
 
-    width = max(q.shape[2] for q, _, _ in rows)
+    width = width or max(q.shape[2] for q, _, _ in rows)
 
     def pad(t):
         return torch.nn.functional.pad(t, (0, 0, 0, width - t.shape[2]))
@@ -95,14 +99,17 @@ def main(args: argparse.Namespace) -> int:
         twice.append(compare(ref, out[0]))
     report["variants"]["twice"] = twice
 
-    def batched(members):
-        q, k, v = padded([rows[i] for i in members])
+    def batched(members, width=None):
+        q, k, v = padded([rows[i] for i in members], width)
         out = sdpa(q, k, v)
         return {lengths[i]: compare(alone[i], out[b, :lengths[i]]) for b, i in enumerate(members)}
 
     report["variants"]["padded"] = batched(list(range(len(rows))))
-    long_rows = [i for i, n in enumerate(lengths) if n >= args.long]
+    long_rows = [i for i, n in enumerate(lengths) if n >= args.long and n % 64]
     report["variants"]["padded_long"] = batched(long_rows) if len(long_rows) > 1 else {}
+    if len(long_rows) > 1:
+        width = -(-max(lengths[i] for i in long_rows) // 64) * 64
+        report["variants"]["padded_long_even"] = batched(long_rows, width)
 
     def loop():
         for r in rows:
