@@ -25,7 +25,9 @@
 #                    prefix reuse (flushed, warm, no cache) in process, steps as the server forms them,
 #                    torch.profiler tables of a flushed and a warm pass, module outputs of the rows
 #                    PREFIX_DIVERGENCE_ROWS (default 49,95,71,1) against their exact forwards
-#                    (results/prefix_profile_SET/); first the GPU tests of tests/test_prefix_reuse.py
+#                    (results/prefix_profile_SET/, or _MODE for each OPENJEV_PADDED_ATTENTION mode in
+#                    PADDED_ATTENTION_MODES other than the default rowwise); first the GPU tests of
+#                    tests/test_prefix_reuse.py and tests/test_attention.py
 #   ssm_fp16         radix cache with SGLANG_MAMBA_SSM_DTYPE=float16 (the SM70 setting): flushed bench
 #                    on the T-like set, for the state-dtype comparison on the longest inputs
 #   variant          one server with VARIANT_ARGS (serve_sglang_v100.sh flags) and VARIANT_ENV
@@ -244,18 +246,21 @@ stage_embedded_prefix() {  # the embedded backend with --prefix-reuse: per set, 
 }
 
 stage_prefix_profile() {
-  local s set
-  "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_prefix_reuse.py 2>&1 | tee "$R/prefix_gpu_tests.txt"
+  local s set m dir
+  "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_prefix_reuse.py tests/test_attention.py 2>&1 | tee "$R/prefix_gpu_tests.txt"
   for s in $SETS; do
     set=$(set_path "$s") || return 1
-    "$PY" benchmarks/experiments/prefix_reuse_profile.py --model "$MODEL" --tokens "$set.tokens.jsonl" \
-      --out "$R/prefix_profile_$s" --device cuda --cache-mb "${PREFIX_CACHE_MB:-49152}" \
-      --divergence-rows "${PREFIX_DIVERGENCE_ROWS:-49,95,71,1}" || return 1
+    for m in ${PADDED_ATTENTION_MODES:-rowwise}; do
+      dir="$R/prefix_profile_$s"; [ "$m" = rowwise ] || dir="${dir}_$m"
+      OPENJEV_PADDED_ATTENTION=$m "$PY" benchmarks/experiments/prefix_reuse_profile.py --model "$MODEL" \
+        --tokens "$set.tokens.jsonl" --out "$dir" --device cuda --cache-mb "${PREFIX_CACHE_MB:-49152}" \
+        --divergence-rows "${PREFIX_DIVERGENCE_ROWS:-49,95,71,1}" || return 1
+    done
   done
 }
 
 export REPO PY W R SITE SETS REPS SHAPE MODEL LABEL SGLANG_ARGS VARIANT_ARGS VARIANT_ENV VARIANT_TAG VARIANT_MODES
-export TUNE_SETS TUNE_PROFILES TUNE_DEADLINE TO PACK PREFIX_CACHE_MB PREFIX_DIVERGENCE_ROWS
+export TUNE_SETS TUNE_PROFILES TUNE_DEADLINE TO PACK PREFIX_CACHE_MB PREFIX_DIVERGENCE_ROWS PADDED_ATTENTION_MODES
 export -f log code pack free_port set_path wait_healthy bench server_info run_sglang stage_setup stage_prep stage_sglang_cache \
   stage_sglang_uncached stage_ssm_fp16 stage_embedded stage_embedded_prefix stage_prefix_profile stage_variant stage_native_ops stage_divergence stage_tune
 # shellcheck disable=SC2086 # STAGES is a word list

@@ -175,7 +175,7 @@ def test_padding_inert_chunk_gives_each_padded_row_its_own_final_state():
     alone: the same outputs on the real tokens and each row's own final state, bit for bit."""
     import torch
 
-    from openjev.engine.classifier import padded_layout
+    from openjev.engine.attention import padded_layout
     from openjev.engine.prefix import padding_inert_chunk
 
     def recurrence(q, k, v, g, beta, initial_state=None, output_final_state=False, **_):
@@ -222,7 +222,7 @@ def test_attention_after_a_prefix_is_bitwise_the_whole_rows_causal_attention():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device: FlashAttention is a GPU kernel")
-    from openjev.engine.classifier import _attend_after_prefix
+    from openjev.engine.attention import attend_after_prefix
 
     def inner(_module, q, k, v, mask, scaling=None, **_):  # Transformers' call for an unpadded row
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, scale=scaling,
@@ -236,11 +236,11 @@ def test_attention_after_a_prefix_is_bitwise_the_whole_rows_causal_attention():
         k, v = (torch.randn(1, kv_heads, prefix + n, dim, device="cuda", dtype=torch.float16, generator=gen)
                 for _ in range(2))
         whole = inner(None, q, k, v, None, scaling=dim ** -0.5)[0]
-        after = _attend_after_prefix(inner, None, q[:, :, prefix:], k, v, prefix, scaling=dim ** -0.5)
+        after = attend_after_prefix(inner, None, q[:, :, prefix:], k, v, prefix, scaling=dim ** -0.5)
         assert torch.equal(after, whole[:, prefix:]), (prefix, n, float((after - whole[:, prefix:]).abs().max()))
         # a state-keeping forward stops on a tile boundary inside the row: from 0 or from a prefix
         for start in (0, prefix - 64):
             stop = prefix  # the tile boundary the forward stops on
-            cut = _attend_after_prefix(inner, None, q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop], start,
+            cut = attend_after_prefix(inner, None, q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop], start,
                                        keep_odd=True, scaling=dim ** -0.5)
             assert torch.equal(cut, whole[:, start:stop]), (start, stop, float((cut - whole[:, start:stop]).abs().max()))

@@ -211,7 +211,8 @@ def test_exact_and_padded_forwards_without_the_cache_are_bitwise_the_default_cal
     """score_exact/score_padded pass use_cache=False (no cache object built and filled); the logits
     must be bitwise those of Transformers' default call, which builds the cache."""
     torch = pytest.importorskip("torch")
-    from openjev.engine.classifier import padded_rows, score_exact, score_padded
+    from openjev.engine.attention import padded_rows
+    from openjev.engine.classifier import score_exact, score_padded
 
     clf, rows = _classifier_and_rows(overlay, sample_tokens)
     rows = rows[:4]
@@ -258,7 +259,7 @@ def test_rowwise_attention_repeats_each_rows_unpadded_call(overlay, sample_token
     (padded_rows, as score_padded does), gives each row bitwise the output of its own unpadded
     forward: same queries, keys and values, attended through the same unmasked causal call."""
     torch = pytest.importorskip("torch")
-    from openjev.engine.classifier import padded_rows, rowwise_attention
+    from openjev.engine.attention import padded_rows, rowwise_attention
 
     assert rowwise_attention() == "rowwise"
     clf, rows = _classifier_and_rows(overlay, sample_tokens)
@@ -291,7 +292,7 @@ def test_padded_attention_mode_is_checked(monkeypatch):
     monkeypatch.setenv("OPENJEV_PADDED_ATTENTION", "masked")
     assert padded_attention_mode() == "masked"
     monkeypatch.setenv("OPENJEV_PADDED_ATTENTION", "fast")
-    with pytest.raises(UserError, match="expected rowwise or masked"):
+    with pytest.raises(UserError, match="expected rowwise, per-row or masked"):
         padded_attention_mode()
 
 

@@ -7,7 +7,7 @@ backend can be checked against the reference bit for bit where the arithmetic al
           CPU float32 results are bitwise equal to the reference's.
   padded  rows of one scheduling step right-padded into one batch with an attention mask.
           Faster on a GPU. The full-attention layers attend row by row, each row unpadded,
-          through the same SDPA call the exact forward makes (`rowwise_attention`), and cuBLAS
+          through the same SDPA call the exact forward makes (openjev/engine/attention.py), and cuBLAS
           runs without split-K (openjev/engine/kernels.py configure_backends), so on a GPU a padded
           forward repeats the exact forward's arithmetic: bitwise equal on the H200
           (results_h200/embedded_gpu/call9-rowwise). On a CPU the PyTorch GDN fallback is not
@@ -23,8 +23,6 @@ tensor is refused with the list (Transformers itself would only warn and initial
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,31 +30,11 @@ from pathlib import Path
 import numpy as np
 
 from openjev.common import LABELS, UserError, sha256_file
+from openjev.engine.attention import check_batching, padded_rows, rowwise_attention
 from sglang_openjev import weights
 from sglang_openjev.contract import check_label_order
 
 DTYPES = ("auto", "float16", "bfloat16", "float32")
-
-
-@dataclass(frozen=True)
-class PaddedLayout:
-    """The right-padded forward running in this thread: each row's real length, and for rows that go
-    on from a prefix state (openjev/engine/prefix.py) the prefix length and where the cached keys end
-    (prefixes are left-padded to `offset`); per_row_states asks for each row's own final GDN state,
-    `valid` (optional, [rows, width] bool on the device) marks the real tokens."""
-
-    lengths: tuple
-    starts: tuple | None = None
-    offset: int = 0
-    per_row_states: bool = False
-    valid: object = None
-
-
-_LAYOUT: contextvars.ContextVar = contextvars.ContextVar("openjev_padded_layout", default=None)
-
-
-def current_layout() -> PaddedLayout | None:
-    return _LAYOUT.get()
 
 
 @dataclass
@@ -134,13 +112,15 @@ def load_classifier(path: str | Path, device: str = "auto", dtype: str = "auto")
     model = model.to(device).eval()
     rowwise_attention()
     text_cfg = model.config.get_text_config()
+    kernels = kernel_path(model)
+    kernels["padded_attention_shared_calls"] = check_batching(text_cfg, device, model.dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError):
         tokenizer = None
     return Classifier(model=model, tokenizer=tokenizer, path=path, device=device, dtype=dtype,
                       vocab_size=int(text_cfg.vocab_size), pad_token_id=text_cfg.pad_token_id, name=path.name,
-                      kernels=kernel_path(model))
+                      kernels=kernels)
 
 
 def score_exact(clf: Classifier, rows: list[list[int]], threads: int = 1, progress=None) -> np.ndarray:
@@ -214,93 +194,6 @@ def _exact_in_threads(clf: Classifier, rows: list[list[int]], threads: int, prog
     if errors:
         raise errors[0]
     return kept
-
-
-def rowwise_attention() -> str:
-    """Make padded forwards attend row by row (once per process; returns the mode in force).
-
-    Transformers' "sdpa" attention function is wrapped, through its AttentionInterface, by one
-    that changes nothing unless a right-padded forward of score_padded is running in this thread:
-    then each row's queries, keys and values are cut to its real length and passed to the same
-    function with no mask, which is the call an unpadded forward of that row makes (causal,
-    FlashAttention on a GPU). The masked padded call runs a different kernel (memory-efficient,
-    with a mask) whose rounding differs: on the H200 the first difference between a padded and
-    an exact forward was the first full-attention layer (benchmarks/experiments/embedded_gpu_divergence.py,
-    results_h200/embedded_gpu/call8-blas). Padding positions get zeros; with right padding no real
-    token reads them. OPENJEV_PADDED_ATTENTION=masked keeps Transformers' masked call."""
-    from openjev.engine.kernels import padded_attention_mode
-
-    mode = padded_attention_mode()
-    if mode != "rowwise":
-        return mode
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    inner = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    if getattr(inner, "_openjev_rowwise", False):
-        return mode
-
-    def sdpa_rowwise(module, query, key, value, attention_mask, **kwargs):
-        layout = _LAYOUT.get()
-        off = layout.offset if layout is not None else 0
-        if layout is None or query.shape[0] != len(layout.lengths) or key.shape[2] != off + query.shape[2]:
-            return inner(module, query, key, value, attention_mask, **kwargs)
-        starts = layout.starts or (0,) * len(layout.lengths)
-        out = query.new_zeros((query.shape[0], query.shape[2], query.shape[1], value.shape[-1]))
-        odd = layout.per_row_states  # a state-keeping forward stops on a 64-token boundary inside the row
-        for j, (n, p) in enumerate(zip(layout.lengths, starts)):
-            q, k, v = query[j:j + 1, :, :n], key[j:j + 1, :, off - p: off + n], value[j:j + 1, :, off - p: off + n]
-            if p == 0 and not (odd and n % FLASH_QUERY_TILE == 0):
-                row = inner(module, q, k, v, None, **kwargs)[0]
-            else:
-                row = _attend_after_prefix(inner, module, q, k, v, p, keep_odd=odd, **kwargs)
-            out[j:j + 1, :n] = row
-        return out, None
-
-    sdpa_rowwise._openjev_rowwise = True
-    ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_rowwise
-    return mode
-
-
-# FlashAttention's query tile for the model's head size (256) on SM80/SM90; prefix states sit on
-# multiples of it (openjev/engine/prefix.py GDN_CHUNK).
-FLASH_QUERY_TILE = 64
-
-
-def _attend_after_prefix(inner, module, query, key, value, prefix: int, keep_odd: bool = False, **kwargs):
-    """One row's queries after `prefix` tokens over the prefix's keys and its own, in [1, n, heads, dim]
-    as Transformers' SDPA function returns it: the call an unpadded forward of the whole row makes
-    (`inner`, causal, FlashAttention on a GPU), with zeros for the prefix's queries, whose outputs are
-    dropped. Prefixes end on 64-token boundaries, FlashAttention's query tiles, so each real query
-    tile is computed as in the whole row's forward: the same bits, at the cost of the prefix queries'
-    attention. With keep_odd (a forward that stops on a tile boundary inside the row) a call whose
-    length is a whole number of tiles gets one zero token more, which no real query sees: the
-    kernel's whole-tiles variant rounds differently from the one the whole row's call runs."""
-    import torch
-
-    total = prefix + query.shape[2]
-    extra = int(keep_odd and total % FLASH_QUERY_TILE == 0)
-    queries = query.new_zeros(query.shape[:2] + (total + extra, query.shape[3]))
-    queries[:, :, prefix:total] = query
-    if extra:
-        key = torch.cat([key, key.new_zeros(key.shape[:2] + (1, key.shape[3]))], dim=2)
-        value = torch.cat([value, value.new_zeros(value.shape[:2] + (1, value.shape[3]))], dim=2)
-    return inner(module, queries, key, value, None, **kwargs)[0][:, prefix:total]
-
-
-@contextlib.contextmanager
-def padded_layout(lengths, starts=None, offset: int = 0, per_row_states: bool = False, valid=None):
-    """Declare the right-padded forward about to run in this thread (see PaddedLayout)."""
-    token = _LAYOUT.set(PaddedLayout(tuple(int(n) for n in lengths), tuple(int(p) for p in starts) if starts else None,
-                                     int(offset), per_row_states, valid))
-    try:
-        yield
-    finally:
-        _LAYOUT.reset(token)
-
-
-def padded_rows(lengths: list[int]):
-    """The real lengths of a right-padded forward, for rowwise_attention, in this thread."""
-    return padded_layout(lengths)
 
 
 def to_device(tensor, device):

@@ -6,8 +6,8 @@ the short convolution's last inputs and the recurrent state, per full-attention 
 values of the P tokens. A continuation runs the unmodified model through Transformers' own cache
 object (DynamicCache of the model's config), 2-D attention mask and per-row position ids. While a
 continuation forward runs, two functions the model calls know the padded layout (see
-classifier.padded_layout): attention runs row by row, the whole row's causal call with the prefix's
-queries left out (bit for bit the exact forward's attention, see classifier._attend_after_prefix)
+attention.padded_layout): attention runs row by row, the whole row's causal call with the prefix's
+queries left out (bit for bit the exact forward's attention, see attention.attend_after_prefix)
 and, where a row's end state is kept, the chunked gated delta rule sees the right padding as inert
 tokens (decay 1, no write), so padding never runs into a state. Arithmetic: the prefix is summed
 apart from the rest, so logits are close to the exact forward's, not bitwise (the agreement goal
@@ -191,7 +191,8 @@ class ContinuationForwards:
     def run(self, items: list, want_states: bool):
         """items: (start PrefixState or None, tokens to run). Returns (logits [n, 3] on the device,
         the state after each row, or None)."""
-        from openjev.engine.classifier import padded_layout, to_device
+        from openjev.engine.attention import padded_layout
+        from openjev.engine.classifier import to_device
 
         torch = self.torch
         dev = self.clf.device
@@ -298,7 +299,7 @@ def padding_inert_chunk(inner):
     after the row's last real token; where the padding is whole 64-token chunks (every forward that
     keeps states runs from chunk boundary to chunk boundary) the kernels' chunk arithmetic keeps it
     bit for bit. Real tokens' outputs are those of the unmasked call (the rule is causal)."""
-    from openjev.engine.classifier import current_layout
+    from openjev.engine.attention import current_layout
 
     @functools.wraps(inner)
     def chunk_with_inert_padding(query, key, value, g, beta, *args, initial_state=None,
