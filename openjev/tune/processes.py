@@ -393,7 +393,12 @@ def rewrite_pidfile(path: Path, record: dict) -> None:
 
 
 def daemonize(log_path: Path, pidfile: Path, out: Path) -> None:
-    """Double fork; the parent prints where the daemon logs and exits 0 once the pid file names it."""
+    """Double fork; the parent prints where the daemon logs and exits 0 once the pid file names it.
+
+    Why not `systemd-run --user`: the runbook's tuner runs over ssh on hosts where a user's systemd
+    instance exists only with lingering enabled, and its record (pid file with start time, live
+    run.json) is the one the runbook's checks read; where a user manager runs, `systemd-run --user
+    --unit=openjev-tune app/tune_sglang_v100.py ...` (without --daemon) works as well."""
     r, w = os.pipe()
     first = os.fork()
     if first > 0:  # the invoking process
