@@ -46,7 +46,7 @@ if SGLANG_ERROR is not None and os.environ.get("OPENJEV_REQUIRE_SGLANG") == "1":
 needs_sglang = pytest.mark.skipif(
     SGLANG_ERROR is not None,
     reason=f"sglang is not importable here ({SGLANG_ERROR}); the project venv and CI do not install it: run "
-           "with a venv that has sglang 0.5.13 (the adapter section of V100.md says how)")
+           "with a venv that has sglang 0.5.13 (`make test-sglang` makes one: tests/README.md)")
 
 
 def tiny_transformers_classifier(text: bool = False):

@@ -1,7 +1,7 @@
 """app/serve_sglang_v100.sh against the SGLang runtimes it launches: the flag spelling of each runtime
 and version, the runtime it detects, the emitted flags checked against the installed sglang's own
 argument parser when sglang is importable and always against the checked-in table of the pinned
-runtime, and V100.md's version matrix. The launcher runs as in tests/_serve_sglang_support.py.
+runtime, and the version matrix of docs/sglang_adapter.md. The launcher runs as in tests/_serve_sglang_support.py.
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ def test_server_info_reports_the_runtime_and_the_adaptations():
     assert (info["sglang_runtime"], info["launch_adaptations"]) == (None, [])
 
 
-# ---------------------------------------------------------------- the version matrix (V100.md)
+# ------------------------------------------------- the version matrix (docs/sglang_adapter.md)
 # Rows: runtime x scenario. Command: the SGLang flags beyond COMMON_FLAGS, as --print-command composes
 # them. Verdict: the fork's rows against its checked-in table (every environment); a stock version's
 # rows against that version's own parser and prepare_server_args (only in that version's venv).
@@ -228,7 +228,7 @@ COMMON_FLAGS = {"--model-path": None, "--host": "127.0.0.1", "--port": "31003", 
                 "--dtype": "float16", "--context-length": "8192", "--mem-fraction-static": "0.8",
                 "--max-running-requests": "16", "--schedule-policy": "lpm", "--mamba-full-memory-ratio": "3",
                 "--enable-metrics": None}
-V100_MD = REPO / "V100.md"
+MATRIX_DOC = REPO / "docs" / "sglang_adapter.md"
 MATRIX_BEGIN, MATRIX_END = "<!-- version-matrix:begin -->", "<!-- version-matrix:end -->"
 CPU_STOP = "stops only at the GPU check"
 
@@ -248,8 +248,8 @@ def matrix_command(run, checkpoint, runtime: str, scenario: str) -> tuple[str, l
 
 
 def documented_matrix() -> dict[tuple[str, str], tuple[str, str]]:
-    text = V100_MD.read_text()
-    assert MATRIX_BEGIN in text and MATRIX_END in text, f"V100.md has no {MATRIX_BEGIN} ... {MATRIX_END} table"
+    text = MATRIX_DOC.read_text()
+    assert MATRIX_BEGIN in text and MATRIX_END in text, f"{MATRIX_DOC.name} has no {MATRIX_BEGIN} ... {MATRIX_END} table"
     rows = {}
     for line in text.split(MATRIX_BEGIN, 1)[1].split(MATRIX_END, 1)[0].splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
@@ -269,7 +269,7 @@ def expected_row(run, checkpoint, column: str, scenario: str, verdicts: dict) ->
     return command, verdicts.get(scenario)
 
 
-def test_version_matrix_in_v100_md_matches_what_the_launcher_composes(run, checkpoint, stock_verdicts):
+def test_documented_version_matrix_matches_what_the_launcher_composes(run, checkpoint, stock_verdicts):
     """Every command cell in every environment; the verdict cells of the fork (its table) everywhere and
     of the installed stock version (its real parser) here. The message lists the rows to paste."""
     documented = documented_matrix()
@@ -282,7 +282,7 @@ def test_version_matrix_in_v100_md_matches_what_the_launcher_composes(run, check
             expected[(column, scenario)] = (command, verdict if verdict is not None else got[1])
             if got[0] != command or (verdict is not None and got[1] != verdict):
                 mismatches.append(f"| {column} | {scenario} | {command} | {expected[(column, scenario)][1]} |")
-    assert not mismatches, "V100.md's version matrix differs; expected rows:\n" + "\n".join(mismatches)
+    assert not mismatches, "docs/sglang_adapter.md's version matrix differs; expected rows:\n" + "\n".join(mismatches)
     assert set(documented) == set(expected), sorted(set(documented) ^ set(expected))
 
 

@@ -20,7 +20,7 @@ from _sglang_support import SGLANG_ERROR, FakeTokenizerManager, LiveServer, serv
 from sglang_openjev import contract, routes
 
 needs_sglang = pytest.mark.skipif(SGLANG_ERROR is not None, reason=f"sglang is not importable here ({SGLANG_ERROR}); "
-                                  "run with a venv that has sglang (V100.md, adapter section)")
+                                  "run with a venv that has sglang (`make test-sglang` makes one: tests/README.md)")
 
 
 def post(url, path, payload=None, raw=None, method="POST", headers=None):
