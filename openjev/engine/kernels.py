@@ -126,7 +126,7 @@ def batch_invariant_blas() -> dict:
 
     With a workspace cuBLAS may split K of the MLP's down projection for short rows but not for a
     padded batch, so a row's logits would depend on its batch; without one, padded == exact
-    (measured on the H200: V100.md section 8; results_h200/embedded_gpu/call7-divergence,
+    (measured on the H200: docs/embedded_backend.md; results_h200/embedded_gpu/call7-divergence,
     call8-blas). PyTorch reads the variable at its first cuBLAS call, so this runs at import; a
     warning is recorded if CUDA was initialised first."""
     out = _default_env(BLAS_WORKSPACE_ENV, BLAS_WORKSPACE, "cublas_workspace_config",
@@ -147,7 +147,7 @@ def shared_autotuning() -> dict:
     chose otherwise, so every process of this machine runs the same fla kernel configurations.
 
     fla autotunes by timing and a different choice changes the last bits (measured on the H200:
-    V100.md section 9; results_h200/embedded_gpu/call12-autotune). Triton reads the variable when
+    docs/embedded_backend.md; results_h200/embedded_gpu/call12-autotune). Triton reads the variable when
     fla defines its kernels, so this runs at import, before fla is."""
     out = _default_env(AUTOTUNE_CACHE_ENV, "1", "triton_cache_autotuning",
                        "fla's autotuned configurations shared by every process (same kernels, same bits)")

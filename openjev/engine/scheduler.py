@@ -305,7 +305,7 @@ class Engine:
 
     def serving_path(self) -> str:
         """Which forwards answer: prefix-reuse (not bitwise the reference), or exact / padded (bitwise on the
-        GPUs measured, see V100.md)."""
+        GPUs measured, see docs/embedded_backend.md)."""
         return "prefix-reuse" if self.prefix is not None else self.batching
 
     def stop(self) -> None:
