@@ -3,6 +3,7 @@
     with LoopbackHTTPServer({"/a.bin": b"..."}) as srv:
         srv.url                      # "http://127.0.0.1:<port>/"
         srv.put("/b.json", b"{}")    # add or replace a route at any time
+        srv.put("/i/", b"<html>", content_type="text/html")   # Content-Type of a route (default octet-stream)
         srv.fault("/a.bin", cut_after=100, times=1)   # next GET sends 100 body bytes, then drops
         srv.fault("/a.bin", stall_after=100)          # ... sends 100 bytes, then goes silent
         srv.requests                 # [Request(method, path, headers), ...] in arrival order
@@ -49,12 +50,15 @@ class Request:
         return self.headers.get("range")
 
 
+OCTET_STREAM = "application/octet-stream"
 _RANGE_RE = re.compile(r"^bytes=(\d+)-(\d*)$")
 
 
 class LoopbackHTTPServer:
-    def __init__(self, routes: Mapping[str, bytes] | None = None, *, range_support: bool = True):
-        self._routes: dict[str, bytes] = dict(routes or {})
+    def __init__(self, routes: Mapping[str, bytes] | None = None, *, range_support: bool = True,
+                 content_types: Mapping[str, str] | None = None):
+        self._routes: dict[str, bytes] = {_norm(k): v for k, v in (routes or {}).items()}
+        self._types: dict[str, str] = {_norm(k): v for k, v in (content_types or {}).items()}
         self._faults: dict[str, Fault] = {}
         self._lock = threading.Lock()
         self.range_support = range_support
@@ -64,9 +68,11 @@ class LoopbackHTTPServer:
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------ configuration
-    def put(self, path: str, data: bytes) -> None:
+    def put(self, path: str, data: bytes, content_type: str | None = None) -> None:
         with self._lock:
             self._routes[_norm(path)] = bytes(data)
+            if content_type is not None:
+                self._types[_norm(path)] = content_type
 
     def fault(self, path: str, **kwargs) -> Fault:
         f = Fault(**kwargs)
@@ -144,6 +150,7 @@ class LoopbackHTTPServer:
         with self._lock:
             self.requests.append(Request(h.command, path, {k.lower(): v for k, v in h.headers.items()}))
             body = self._routes.get(path)
+            ctype = self._types.get(path, OCTET_STREAM)
         if body is None:
             return _send(h, 404, b"not found\n", head=head)
         fault = None if head else self._take_fault(path)
@@ -175,7 +182,7 @@ class LoopbackHTTPServer:
             h.send_response(status)
             for k, v in headers.items():
                 h.send_header(k, v)
-            h.send_header("Content-Type", "application/octet-stream")
+            h.send_header("Content-Type", ctype)
             h.send_header("Content-Length", str(len(payload)))
             h.end_headers()
             h.wfile.write(payload[:cut])
@@ -188,7 +195,7 @@ class LoopbackHTTPServer:
             except OSError:
                 pass
             return
-        _send(h, status, payload, headers, head=head)
+        _send(h, status, payload, headers, head=head, content_type=ctype)
 
 
 def _norm(path: str) -> str:
@@ -196,11 +203,11 @@ def _norm(path: str) -> str:
 
 
 def _send(h: BaseHTTPRequestHandler, status: int, body: bytes, headers: Mapping[str, str] | None = None,
-          head: bool = False) -> None:
+          head: bool = False, content_type: str = "application/octet-stream") -> None:
     h.send_response(status)
     for k, v in (headers or {}).items():
         h.send_header(k, v)
-    h.send_header("Content-Type", "application/octet-stream")
+    h.send_header("Content-Type", content_type)
     h.send_header("Content-Length", str(len(body)))
     h.end_headers()
     if not head and body:
