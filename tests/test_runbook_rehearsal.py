@@ -4,7 +4,9 @@ order, twice, with bash in a temporary root (so the document cannot drift from t
 Each block runs as written except for the entries of SUBSTITUTIONS (placeholders and what a CPU
 machine cannot have, each with its reason) and ENVIRONMENT. Blocks run in one `bash -eo pipefail`
 each; the exported variables and working directory one step leaves are the next step's, as in one
-operator shell. Downloads come from loopback HTTP servers with real files and real sha256: NVIDIA's
+operator shell. Downloads come from loopback HTTP servers with real files and real sha256: PyTorch's
+index (a PEP 503 simple index of small real torch and torchvision wheels, tests/_pytorch_index_support.py,
+installed into a venv of their own: step 2's rows in SUBSTITUTIONS say why), NVIDIA's
 redistributables (real .tar.xz archives of every default component, the manifest's sha256 pinned)
 and the Hugging Face hub (the tiny model's processor configs). The V100 steps run to their refusal
 and change nothing; the embedded backend serves steps 6-10, as the runbook says for a host without
@@ -30,6 +32,7 @@ import pytest
 import requests
 from _http_fixtures import LoopbackHTTPServer
 from _prepare_v100_cuda_support import _tar_xz
+from _pytorch_index_support import INDEX_PATH, TORCH_VERSION, pytorch_index, wheel_paths
 from _runbook import step_blocks
 from conftest import PY, REPO, SAMPLE, free_port, free_ports_on, token_rows, tree_digest
 from test_prepare_v100_model import FakeHub
@@ -48,16 +51,24 @@ SUBSTITUTIONS: list[tuple[int, str, str, str]] = [
     (1, "BUNDLE_URL", "{bundle}", "placeholder: this checkout (git clone of its committed HEAD)"),
     (2, "python3 -m venv venv",
      "{base_python} -m venv --without-pip venv && echo {dev_site} > venv/lib/{pyver}/site-packages/_rehearsal_dev_venv.pth",
-     "PyTorch's cu126 wheels cannot be had or run here: the venv sees the project's CPU environment "
+     "the venv of steps 3-10: PyTorch's cu126 wheels cannot run here, and the embedded backend needs a real "
+     "torch: the venv sees the project's CPU environment "
      "(.venv's site-packages, torch 2.13.0 CPU) through a .pth; .venv is itself a venv, so "
      "--system-site-packages would not show its packages; --without-pip: pip and setuptools too come from .venv "
      "(ensurepip's setuptools cannot build an editable wheel offline)"),
-    (2, "venv/bin/pip install torch==2.9.1+cu126 torchvision==0.24.1+cu126 --index-url https://download.pytorch.org/whl/cu126",
-     "venv/bin/python -c 'import torch'",
-     "no stand-in for PyTorch's index: its wheels are GBs of CUDA code; torch comes from .venv "
-     "(torchvision is used by no step of the embedded path)"),
+    (2, "venv/bin/pip install torch", "{base_python} -m venv {torch_venv} && {torch_venv}/bin/pip install torch",
+     "the cu126 wheels' stand-ins go into a venv of their own, outside the root, made as the block's first "
+     "line makes one (with pip): in venv they would shadow .venv's real CPU torch, which the embedded "
+     "backend of steps 5-10 runs on; the pip command and its requirements run as written"),
+    (2, "https://download.pytorch.org/whl/cu126", "{torch_index}",
+     "PyTorch's index: a loopback PEP 503 simple index (/whl/cu126/torch/, /whl/cu126/torchvision/) of small "
+     "real wheels named and tagged as PyTorch's for this machine, each link with its #sha256= "
+     "(tests/_pytorch_index_support.py)"),
     (2, "-m pip install --no-deps -e .", "-m pip install --no-deps --no-build-isolation -e .",
-     "no package index in tests (PIP_NO_INDEX): setuptools comes from .venv instead of an isolated build"),
+     "the only package index in tests is the PyTorch stand-in, which has no setuptools: setuptools comes "
+     "from .venv instead of an isolated build"),
+    (2, "venv/bin/python -c 'import torch", "{torch_venv}/bin/python -c 'import torch",
+     "the check line asks the venv the wheels went into (venv's torch is .venv's, as the first row says)"),
     (3, "--version 12.6.3", "--version 12.6.3 --base-url {cuda_url} --sources {cuda_sources}",
      "NVIDIA's redistributables: a loopback mirror of every default component (real .tar.xz, real sha256); "
      "its manifest's sha256 pinned in a copy of HF_SOURCE.json outside the root"),
@@ -83,8 +94,9 @@ SUBSTITUTIONS: list[tuple[int, str, str, str]] = [
 ENVIRONMENT = [
     ("HOME", "{home}", "a fresh home: ~ in the blocks, the user unit directory and the hub's cache land under tmp"),
     ("HF_ENDPOINT", "{hub_url}", "the hub: a loopback server with the tiny model's processor configs"),
-    ("PIP_NO_INDEX", "1", "no package index in tests"),
-    ("PIP_DISABLE_PIP_VERSION_CHECK", "1", "likewise"),
+    ("PIP_INDEX_URL", "{torch_index}", "pip's only package index: the loopback stand-in of PyTorch's"),
+    ("PIP_CONFIG_FILE", os.devnull, "this machine's pip configuration files (constraints, find-links) play no part"),
+    ("PIP_DISABLE_PIP_VERSION_CHECK", "1", "no request to PyPI for pip's own version"),
 ]
 # Steps that need a V100 and must stop there, changing nothing: (step, block index, stderr needle).
 REFUSALS = {(0, 0): "nvidia-smi", (4, 0): "install_v100_runtime.sh: error: preflight failed: "}
@@ -96,7 +108,7 @@ REWRITTEN = [
     (".cuda126.lock", "the lock file holds the last run's pid"),
     ("pycache/", "bytecode cache: pip rewrites its editable finder, which is compiled again"),
 ]
-TIME_LIMIT_S = 300  # both passes; about 110 s on the 2-core development machine
+TIME_LIMIT_S = 300  # both passes; about 100 s on the 2-core development machine
 
 
 def release() -> tuple[dict[str, bytes], bytes]:
@@ -215,7 +227,8 @@ def rehearsal(tmp_path, tiny_model):
     runtime = Path(f"/tmp/openjev-rehearsal-{os.getpid()}")  # AF_UNIX paths: at most 107 bytes
     home = tmp_path / "home"
     home.mkdir()
-    with LoopbackHTTPServer(files) as cuda:
+    index_routes, index_types = pytorch_index()
+    with LoopbackHTTPServer(files) as cuda, LoopbackHTTPServer(index_routes, content_types=index_types) as pytorch:
         values = {
             "bundle": str(REPO), "base_python": sys._base_executable, "dev_site": dev_site_packages(), "pyver": PYVER,
             "cuda_url": cuda.url, "cuda_sources": str(tmp_path / "cuda-sources.json"),
@@ -223,13 +236,14 @@ def rehearsal(tmp_path, tiny_model):
             "bench_port": free_port(), "gw_port": free_port(), "stats_port": free_port(),
             "replica_base": free_ports_on("127.0.0.1", 2), "repo": str(REPO), "py": PY, "runtime": str(runtime),
             "journal": str(tmp_path / "journal"), "unit_runner_pid": str(tmp_path / "unit_runner.pid"),
-            "home": str(home), "hub_url": f"http://127.0.0.1:{hub.server_address[1]}"}
+            "home": str(home), "hub_url": f"http://127.0.0.1:{hub.server_address[1]}",
+            "torch_index": pytorch.url + INDEX_PATH.strip("/"), "torch_venv": str(tmp_path / "pytorch-venv")}
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8",
                "USER": os.environ.get("USER", "root"), "LOGNAME": os.environ.get("USER", "root"),
                **{k: v.format(**values) for k, v, _ in ENVIRONMENT}}
         r = Rehearsal(tmp_path, values, env)
         r.root = home / "storage" / "sglang-openjev-v100"
-        r.cuda, r.hub = cuda, hub
+        r.cuda, r.hub, r.pytorch, r.pytorch_routes = cuda, hub, pytorch, index_routes
         try:
             yield r
         finally:
@@ -273,10 +287,19 @@ def test_the_runbook_path_runs_in_order_and_a_second_pass_changes_nothing(rehear
     assert r.env["OPENJEV_V100_ROOT"] == str(root) and r.cwd == str(root)
     assert r.env["PYTHONPYCACHEPREFIX"] == str(root / "pycache")
     assert (root / ".git").is_dir() and (root / "app" / "serve_sglang_v100.sh").is_file()
-    # 2: the venv imports the bundle's library, not .venv's
-    probe = subprocess.run([str(root / "venv/bin/python"), "-c", "import openjev; print(openjev.__file__)"],
+    # 2: pip took this machine's wheels from the loopback index (checking their sha256) and the check line
+    # printed what the runbook shows; the venv imports the bundle's library and keeps .venv's real torch
+    pages = {q.path for q in r.pytorch.requests if not q.path.endswith(".whl")}
+    assert pages == {f"{INDEX_PATH}torch/", f"{INDEX_PATH}torchvision/"}, r.pytorch.requests
+    fetched = sorted(q.path for q in r.pytorch.requests if q.path.endswith(".whl"))
+    assert len(fetched) == 2 and set(fetched) <= set(wheel_paths(r.pytorch_routes)), fetched
+    check = p(2).stdout.strip().splitlines()[-1]
+    assert check.startswith(f"{TORCH_VERSION} [") and "'sm_70'" in check, p(2).stdout
+    probe = subprocess.run([str(root / "venv/bin/python"), "-c",
+                            "import openjev, torch; print(openjev.__file__); print(torch.__version__)"],
                            capture_output=True, text=True, env=r.env, cwd=root)
-    assert probe.stdout.strip() == str(root / "openjev" / "__init__.py"), probe
+    assert probe.stdout.splitlines()[0] == str(root / "openjev" / "__init__.py"), probe
+    assert probe.stdout.splitlines()[1] != TORCH_VERSION, probe
     # 3: the toolkit, its receipt and the receipt's hash outside the tree
     assert "Cuda compilation tools, release 12.6, V12.6.85" in p(3).stdout
     receipt = json.loads((root / "cuda126" / "openjev_cuda_receipt.json").read_text())
@@ -321,6 +344,8 @@ def test_the_runbook_path_runs_in_order_and_a_second_pass_changes_nothing(rehear
                      if before.get(k) != after.get(k) and not k.startswith(tuple(p for p, _ in REWRITTEN)))
     assert changed == [], changed
     assert "already installed" in second["pass2-step3.0"].stdout
+    assert "Requirement already satisfied: torch==2.9.1+cu126" in second["pass2-step2.0"].stdout
+    assert len([q for q in r.pytorch.requests if q.path.endswith(".whl")]) == 2, "step 2 downloaded again"
     assert second["pass2-step10.0"].stdout.count("unchanged: ") == 7, second["pass2-step10.0"].stdout
     assert "argmax agreement 22/22" in second["pass2-step7.0"].stdout
     for mode in ("warm", "cold"):
