@@ -222,7 +222,8 @@ def rehearsal(tmp_path, tiny_model):
     sources["cuda"]["manifest_sha256"] = hashlib.sha256(manifest).hexdigest()
     (tmp_path / "cuda-sources.json").write_text(json.dumps(sources, indent=2))
     hub = FakeHub({n: (tiny_model["processor"] / n).read_bytes()
-                   for n in ("preprocessor_config.json", "video_preprocessor_config.json")}, "0" * 40)
+                   for n in ("preprocessor_config.json", "video_preprocessor_config.json")},
+                  sources["base_model"]["revision"] or "0" * 40)  # the pinned revision, else the default branch's
     threading.Thread(target=hub.serve_forever, daemon=True).start()
     runtime = Path(f"/tmp/openjev-rehearsal-{os.getpid()}")  # AF_UNIX paths: at most 107 bytes
     home = tmp_path / "home"
