@@ -1,5 +1,5 @@
-"""Padded forwards' attention (openjev/engine/attention.py): rows that share one call get the output
-of their own calls; on a GPU bit for bit."""
+"""Padded forwards' attention (openjev/engine/attention.py): with OPENJEV_PADDED_ATTENTION=shared, rows
+that share one call get the output of their own calls; on a GPU bit for bit."""
 
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ def test_rows_sharing_a_call_get_their_own_calls_output(monkeypatch, lengths, st
 
     monkeypatch.delenv("OPENJEV_PADDED_ATTENTION", raising=False)
     assert attention.rowwise_attention() == "rowwise"
+    monkeypatch.setenv("OPENJEV_PADDED_ATTENTION", "shared")
     heads, kv_heads, dim = 4, 2, 8
     module = attention._CheckModule(heads // kv_heads)
     query, key, value = _rows(torch, lengths, offset, heads, kv_heads, dim, torch.float64, "cpu")
@@ -52,7 +53,7 @@ def test_rows_sharing_a_call_get_their_own_calls_output(monkeypatch, lengths, st
     monkeypatch.setattr(attention, "shared_call_sms", lambda *_: 1)
     shared, plan = _attend(torch, args, query, key, value, module, dim)
     assert plan is not None and plan.batch is not None and plan.alone == alone
-    monkeypatch.setattr(attention, "shared_call_sms", lambda *_: None)
+    monkeypatch.setenv("OPENJEV_PADDED_ATTENTION", "rowwise")  # the default: one call a row
     each, plan = _attend(torch, args, query, key, value, module, dim)
     assert plan.batch is None and plan.alone == list(range(len(lengths)))
     torch.testing.assert_close(shared, each, rtol=0, atol=1e-12)
@@ -80,7 +81,7 @@ def test_rows_sharing_a_call_on_a_gpu_are_bitwise_their_own_calls():
         pytest.skip("no CUDA device: FlashAttention is a GPU kernel")
     from openjev.engine import attention
 
-    assert attention.rowwise_attention() == "rowwise"
+    assert attention.rowwise_attention() in ("rowwise", "shared")
     heads, kv_heads, dim = 16, 4, 256
     module = attention._CheckModule(heads // kv_heads)
     cases = [([900, 1217, 300, 1024, 1500], None, 0, False),
@@ -89,10 +90,11 @@ def test_rows_sharing_a_call_on_a_gpu_are_bitwise_their_own_calls():
     for lengths, starts, offset, states in cases:
         query, key, value = _rows(torch, lengths, offset, heads, kv_heads, dim, torch.float16, "cuda")
         args = (lengths, starts, offset, states)
-        shared, plan = _attend(torch, args, query, key, value, module, dim)
-        assert plan is not None and plan.batch is not None, "no rows shared a call on this GPU"
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(attention, "shared_call_sms", lambda *_: None)
-            each, _ = _attend(torch, args, query, key, value, module, dim)
+            mp.setenv("OPENJEV_PADDED_ATTENTION", "shared")
+            shared, plan = _attend(torch, args, query, key, value, module, dim)
+        assert plan is not None and plan.batch is not None, "no rows shared a call on this GPU"
+        each, plan = _attend(torch, args, query, key, value, module, dim)
+        assert plan.batch is None
         for j, n in enumerate(lengths):
             assert torch.equal(shared[j, :n], each[j, :n]), (args, j, float((shared[j, :n] - each[j, :n]).abs().max()))

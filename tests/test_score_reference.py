@@ -292,7 +292,7 @@ def test_padded_attention_mode_is_checked(monkeypatch):
     monkeypatch.setenv("OPENJEV_PADDED_ATTENTION", "masked")
     assert padded_attention_mode() == "masked"
     monkeypatch.setenv("OPENJEV_PADDED_ATTENTION", "fast")
-    with pytest.raises(UserError, match="expected rowwise, per-row or masked"):
+    with pytest.raises(UserError, match="expected rowwise, shared or masked"):
         padded_attention_mode()
 
 

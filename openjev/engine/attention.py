@@ -6,12 +6,13 @@ gives every row the output of the call an unpadded forward of that row makes: ca
 FlashAttention on a GPU. A row that goes on from a prefix state runs the whole row's call with the
 prefix's queries zeroed (`attend_after_prefix`).
 
-Rows whose own call FlashAttention does not split (PyTorch's FA2 splits a call's keys when
-batch x heads x 64-query blocks stays under 0.8 x twice the SM count) and whose call length is not a
-multiple of 64 (the kernel's whole-tiles variant rounds differently) share one call, padded with zeros
-to the longest: each query block then reads the same key blocks in the same order as in its own call.
-That is checked once per device against separate calls (`batched_rows_are_exact`); where it fails,
-or on a CPU, every row gets its own call. OPENJEV_PADDED_ATTENTION=per-row keeps one call a row.
+With OPENJEV_PADDED_ATTENTION=shared (opt-in: not yet run on a GPU), rows whose own call
+FlashAttention does not split (PyTorch's FA2 splits a call's keys when batch x heads x 64-query blocks
+stays under 0.8 x twice the SM count) and whose call length is not a multiple of 64 (the kernel's
+whole-tiles variant rounds differently) share one call, padded with zeros to the longest: each query
+block then reads the same key blocks in the same order as in its own call. That is checked once per
+device against separate calls (`batched_rows_are_exact`); where it fails, or on a CPU, every row gets
+its own call.
 """
 
 from __future__ import annotations
@@ -96,7 +97,6 @@ def rowwise_attention() -> str:
     if getattr(inner, "_openjev_rowwise", False):
         return mode
     _INNER.append(inner)
-    batching = mode == "rowwise"
 
     def sdpa_rowwise(module, query, key, value, attention_mask, **kwargs):
         layout = _LAYOUT.get()
@@ -105,8 +105,8 @@ def rowwise_attention() -> str:
             return inner(module, query, key, value, attention_mask, **kwargs)
         starts = layout.starts or (0,) * len(layout.lengths)
         out = query.new_zeros((query.shape[0], query.shape[2], query.shape[1], value.shape[-1]))
-        plan = _plan(layout, query, key.shape[1], inner) if batching else None
-        alone = plan.alone if plan is not None else range(len(layout.lengths))
+        plan = _plan(layout, query, key.shape[1], inner)
+        alone = plan.alone
         odd = layout.per_row_states  # a state-keeping forward stops on a 64-token boundary inside the row
         for j in alone:
             n, p = layout.lengths[j], starts[j]
@@ -207,8 +207,10 @@ def _plan(layout: PaddedLayout, query, kv_heads: int, inner) -> RowPlan:
     plan = layout.plans.get(key)
     if plan is not None:
         return plan
+    from openjev.engine.kernels import padded_attention_mode
+
     rows = list(range(len(layout.lengths)))
-    sms = shared_call_sms(query, kv_heads, inner) if len(rows) > 1 else None
+    sms = shared_call_sms(query, kv_heads, inner) if len(rows) > 1 and padded_attention_mode() == "shared" else None
     batched = [] if sms is None else [
         j for j, c in enumerate(layout.call_lengths())
         if c % FLASH_QUERY_TILE and query.shape[1] * math.ceil(c / FLASH_QUERY_TILE) >= FLASH_WHOLE_CALL_PER_SM * sms]
@@ -237,12 +239,12 @@ _INNER: list = []  # Transformers' own SDPA function, once wrapped
 def check_batching(text_config, device, dtype) -> bool | None:
     """At load: whether padded forwards on `device` may share attention calls between rows (the
     check of batched_rows_are_exact, on the model's head shape); None where it does not apply (a CPU,
-    OPENJEV_PADDED_ATTENTION other than rowwise)."""
+    OPENJEV_PADDED_ATTENTION other than shared)."""
     import torch
 
     from openjev.engine.kernels import padded_attention_mode
 
-    if not str(device).startswith("cuda") or padded_attention_mode() != "rowwise" or not _INNER:
+    if not str(device).startswith("cuda") or padded_attention_mode() != "shared" or not _INNER:
         return None
     heads, kv_heads = text_config.num_attention_heads, text_config.num_key_value_heads
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads

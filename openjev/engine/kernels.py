@@ -35,7 +35,7 @@ from pathlib import Path
 from openjev.common import UserError
 
 log = logging.getLogger("openjev.kernels")
-PADDED_ATTENTION_ENV = "OPENJEV_PADDED_ATTENTION"  # rowwise (default) | per-row | masked (Transformers' masked SDPA)
+PADDED_ATTENTION_ENV = "OPENJEV_PADDED_ATTENTION"  # rowwise (default) | shared | masked (Transformers' masked SDPA)
 
 KERNELS_ENV = "OPENJEV_KERNELS"
 KERNEL_MODES = ("auto", "torch")
@@ -434,8 +434,8 @@ def _describe(func) -> str | None:
 
 def padded_attention_mode() -> str:
     mode = os.environ.get(PADDED_ATTENTION_ENV, "rowwise") or "rowwise"
-    if mode not in ("rowwise", "per-row", "masked"):
-        raise UserError(f"{PADDED_ATTENTION_ENV}={mode!r}: expected rowwise, per-row or masked")
+    if mode not in ("rowwise", "shared", "masked"):
+        raise UserError(f"{PADDED_ATTENTION_ENV}={mode!r}: expected rowwise, shared or masked")
     return mode
 
 
