@@ -1,38 +1,16 @@
 """Fused Triton kernels for the embedded server's forward, used only where they give, on this
-GPU, bit for bit what the Transformers modules they replace give.
+GPU, bit for bit what the Transformers modules they replace give (docs/embedded_backend.md,
+"Fused kernels"):
 
-The profile of the padded FP16 forward (results_h200/embedded_gpu): besides the matmuls and
-flash-linear-attention's kernels, about half of the device time is PyTorch's elementwise work
-between them: the norms upcast to float32 and write every intermediate (`x.float()`, `pow`,
-`mean`, `* rsqrt`, `* (1 + w)`, `.type_as`), the MLP writes `silu(gate)` before multiplying by
-`up`, and the GDN layers copy their QKV projection twice for the causal conv (a transposed
-layout) and three times after it (`reshape` of a transposed view). Each piece here does the same
-float32 arithmetic in the same order, with the same rounding to FP16 at the same points, in one
-pass over memory:
+  rms_norm    Qwen3_5RMSNorm: variance in the order of PyTorch's CUDA mean, then (x * rsqrt) * (1 + w)
+  gated_norm  Qwen3_5RMSNormGated: the same variance, the weight, silu(gate) and the product
+  swiglu      Qwen3_5MLP: silu(gate) rounded to FP16, times up, rounded
+  conv_silu   the GDN causal conv1d + silu in the projection's own layout (the q/k/v reshapes are views)
 
-  rms_norm    Qwen3_5RMSNorm: the variance mean(x.float() ** 2) summed in one pass over x in the
-              order of PyTorch's CUDA mean (mean_square; where the check finds that order not
-              bitwise, x*x in float32 and PyTorch's own `mean`), then one kernel for
-              (x * rsqrt) * (1 + w).
-  gated_norm  Qwen3_5RMSNormGated: the same variance, then one kernel for the FP16 rounding,
-              the weight, silu(gate) and the product.
-  swiglu      Qwen3_5MLP: silu(gate) rounded to FP16, times up, rounded, in one kernel.
-  conv_silu   the GDN layers' depthwise causal conv1d + silu, read and written in the projection's
-              own [batch, length, channels] layout (fused multiply-adds in PyTorch's order), so
-              the q/k/v reshapes after it are views, not copies.
-
-silu is x / (1 + exp(-x)) in float32 as PyTorch's CUDA kernel computes it: libdevice's expf and
-a correctly rounded division (Triton's default `/` is an approximate division).
-
-No piece is trusted on its arithmetic argument alone: `apply_fused` runs each one against the
-module it replaces, on this device, on random inputs of several shapes, and uses only those that
-are bitwise equal (`torch.equal`); the others keep Transformers' code, with the reason logged and
-recorded. The matmuls, the GDN chunk kernel and attention are untouched. For the embedded server
-only: the reference scorer (app/score_reference.py) never calls this.
-
-OPENJEV_FUSED=auto (default) uses the pieces that pass their check on a CUDA device;
-OPENJEV_FUSED=off keeps every module as Transformers wrote it. Needs Triton (the GPU extra);
-with TRITON_INTERPRET=1 the kernels also run on a CPU (tests/test_fused.py).
+`apply_fused` checks each piece against the module it replaces on this device (`torch.equal` on
+random inputs of several shapes) and uses only those that pass; the reference scorer never calls
+this. OPENJEV_FUSED=auto (default) | off. With TRITON_INTERPRET=1 the kernels run on a CPU
+(tests/test_fused.py).
 """
 
 from __future__ import annotations
