@@ -87,8 +87,12 @@ def main() -> int:
     if args.plot:
         write_plot(runs, args.plot, ref_lines)
     if args.json:
+        from openjev.receipts import BenchHistory, check_receipt
+
+        report = {"kind": "openjev-bench-history", "schema_version": 1, "runs": runs, "verdict": v}
+        check_receipt(BenchHistory, report, args.json)
         try:
-            atomic_write_json(args.json, {"kind": "openjev-bench-history", "schema_version": 1, "runs": runs, "verdict": v})
+            atomic_write_json(args.json, report)
         except OSError as exc:
             raise UserError(f"--json {args.json}: cannot write it: {exc.strerror or exc}") from None
     return exit_status(v)

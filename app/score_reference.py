@@ -283,12 +283,14 @@ def main() -> int:
 
 
 def write_reference(staging: Path, args, logits, rows, row_ids, inputs_entry, n_cut, info, elapsed, bound) -> None:
+    """Into `staging`: reference.npy, tokens.sha256, and reference.json once it fits its model (else UserError)."""
     from openjev.engine.classifier import weight_files
+    from openjev.receipts import ReferenceReceipt, check_receipt
 
     np.save(staging / "reference.npy", logits)
     tokens_sha = sha256_file(args.tokens)
     atomic_write_bytes(staging / "tokens.sha256", f"{tokens_sha}  {args.tokens.name}\n".encode())
-    atomic_write_json(staging / "reference.json", {
+    receipt = {
         "kind": "openjev-reference", "made_by": "app/score_reference.py", "made_at": utc_now(),
         "labels": list(LABELS), "rows": len(rows), "row_ids": row_ids,
         "inputs": inputs_entry,
@@ -302,7 +304,9 @@ def write_reference(staging: Path, args, logits, rows, row_ids, inputs_entry, n_
         "rows_per_s": round(len(rows) / elapsed, 3) if elapsed > 0 else None,
         "warmup": info["warmup"], "kernel_path": info["kernels"], "compute_bound": bound,
         "environment": environment_receipt(),
-    })
+    }
+    check_receipt(ReferenceReceipt, receipt, args.out / "reference.json")
+    atomic_write_json(staging / "reference.json", receipt)
 
 
 if __name__ == "__main__":

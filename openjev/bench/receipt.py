@@ -61,19 +61,25 @@ def out_paths(out: Path) -> dict[str, Path]:
 
 
 def write_outputs(paths: dict[str, Path], receipt: dict, passes: list[np.ndarray]) -> None:
-    """Arrays first (atomic), stale arrays of an overwritten run removed, the receipt last."""
+    """The receipt checked against its model before anything is written (UserError if it does not fit); then
+    the arrays (atomic), stale arrays of an overwritten run removed, the receipt last."""
+    from openjev.receipts import BenchReceipt, check_receipt
+
     outputs = {"candidate": None, "passes": None}
+    blobs = {}
     if passes:
         for key, arr in (("candidate", passes[-1]), ("passes", np.stack(passes))):
-            blob = npy_bytes(arr.astype(np.float32))
-            atomic_write_bytes(paths[key], blob)
-            outputs[key] = {"file": paths[key].name, "sha256": sha256_bytes(blob), "shape": list(arr.shape),
+            blobs[key] = npy_bytes(arr.astype(np.float32))
+            outputs[key] = {"file": paths[key].name, "sha256": sha256_bytes(blobs[key]), "shape": list(arr.shape),
                             "dtype": "float32"}
-    else:
+    receipt["outputs"] = outputs
+    check_receipt(BenchReceipt, receipt, paths["json"])
+    for key, blob in blobs.items():
+        atomic_write_bytes(paths[key], blob)
+    if not passes:
         for key in ("candidate", "passes"):
             if paths[key].exists():
                 paths[key].unlink()  # never leave an earlier run's arrays beside this receipt
-    receipt["outputs"] = outputs
     atomic_write_json(paths["json"], receipt)
 
 
