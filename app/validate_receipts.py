@@ -5,9 +5,10 @@ Each PATH is a receipt file or a directory (every *.json under it, recursively, 
 files). A receipt's "kind" picks its schema: every results_v100/schemas/*.schema.json declares the
 kind it validates as `properties.kind.const` (bench_receipt.schema.json: "openjev-bench",
 reference.schema.json: "openjev-reference"), or the kinds as `properties.kind.enum` (a renamed kind
-and the old one its recorded receipts carry). To support a new receipt kind, drop a draft 2020-12
-schema with such a const into that directory; nothing here changes. Two schemas claiming one kind
-is an error.
+and the old one its recorded receipts carry). The files are generated from the receipts' models in
+openjev/receipts/: to support a new receipt kind, add its model there and regenerate them
+(python -m openjev.receipts --write results_v100/schemas); nothing here changes. Two schemas claiming
+one kind is an error.
 
 Beyond the schema, files a receipt names beside itself are checked (skip with --no-check-files):
 an "openjev-bench" receipt's outputs (OUT.candidate.npy, OUT.passes.npy) must exist with the

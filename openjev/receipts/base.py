@@ -1,8 +1,8 @@
 """What every receipt model shares: the base classes, the constrained field types, and the parts
 that several receipts carry (the tokens entry, the compute bound, the kernel path).
 
-Every model allows keys beyond its fields (writers add more) and validates strictly: a string is
-never read as a number, a number never as a boolean.
+Every model allows keys beyond its fields (writers add more) and judges a value as its JSON Schema
+does: strictly (a string is never a number, a number never a boolean), but 3.0 is an integer.
 """
 
 from __future__ import annotations
