@@ -2,7 +2,8 @@
 
 Each run drives the real tuner -> launcher (app/serve_sglang_v100.sh, OPENJEV_BACKEND=transformers,
 embedded backend on the tiny model) -> real bench on the 22-row sample. No NVML here: the idle wait
-is skipped with a recorded reason. The tests share one history directory and run in order.
+is skipped with a recorded reason. The history's checks build on each other (baseline runs, then a regression against them, a run
+refused by the lock, a killed run), so one test runs them in order on one history.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def test_refuses_production_port_and_bad_input(tmp_path, fixtures):
     assert r.returncode == 1 and "no runs/" in r.stderr
 
 
-def test_two_runs_make_two_entries_and_no_regression(history, fixtures):
+def check_two_runs_make_two_entries_and_no_regression(history, fixtures):
     for i in range(2):
         r = run(sched_args(history, *fixtures))
         assert r.returncode == 0, r.stdout + r.stderr
@@ -95,7 +96,7 @@ def test_two_runs_make_two_entries_and_no_regression(history, fixtures):
     assert bench_history.verdict(runs)["baseline"] == names[:1]
 
 
-def test_slower_server_setting_is_a_regression(history, fixtures):
+def check_slower_server_setting_is_a_regression(history, fixtures):
     # --torch-threads 32 on a 2-core machine: a real server setting (torch intra-op threads) that
     # oversubscribes the cores; measured here ~5x slower passes (0.10 s -> 0.55 s), far past the band
     r = run(sched_args(history, *fixtures, "--server-arg=--torch-threads=32", "--min-baseline-runs", "2"))
@@ -109,7 +110,7 @@ def test_slower_server_setting_is_a_regression(history, fixtures):
     assert r.returncode == bench_history.EXIT_REGRESSION and "REGRESSION" in r.stdout
 
 
-def test_overlapping_start_is_refused_by_the_lock(history, fixtures):
+def check_overlapping_start_is_refused_by_the_lock(history, fixtures):
     before = runs_of(history)
     fd = os.open(history / ".lock", os.O_RDWR | os.O_CREAT)
     try:
@@ -122,7 +123,7 @@ def test_overlapping_start_is_refused_by_the_lock(history, fixtures):
     assert runs_of(history) == before
 
 
-def test_sigkilled_run_is_incomplete_and_never_a_baseline(history, fixtures, tmp_path):
+def check_sigkilled_run_is_incomplete_and_never_a_baseline(history, fixtures, tmp_path):
     before = runs_of(history)
     p = subprocess.Popen(sched_args(history, *fixtures), env=env(), cwd=REPO, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE)
@@ -167,6 +168,15 @@ def test_sigkilled_run_is_incomplete_and_never_a_baseline(history, fixtures, tmp
     later = {**good, "name": "zz-later"}
     v = bench_history.verdict([*runs, later], -1)
     assert receipt not in v["baseline"] and v["baseline"]
+
+
+def test_history_of_scheduled_runs(history, fixtures, tmp_path):
+    """Two baseline runs, a slower server setting judged a regression against them, a start refused
+    by the history's lock, a killed run that is incomplete and never a baseline: in this order."""
+    check_two_runs_make_two_entries_and_no_regression(history, fixtures)
+    check_slower_server_setting_is_a_regression(history, fixtures)
+    check_overlapping_start_is_refused_by_the_lock(history, fixtures)
+    check_sigkilled_run_is_incomplete_and_never_a_baseline(history, fixtures, tmp_path)
 
 
 # ================================================================ systemd timer (deploy/install_units.sh --bench-timer)
