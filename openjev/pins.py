@@ -6,10 +6,9 @@ as against the bundle's own pins. app/verify_sources.py lists both kinds."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 from pathlib import Path
-
-from filelock import FileLock
 
 from openjev.common import UserError, atomic_write_json, openjev_root, utc_now
 
@@ -51,7 +50,9 @@ class HostPins:
     def record(self, key: str, value: str, *, source: str, by: str) -> dict:
         """Record key = value (never replacing a different recorded value)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(self.path) + ".lock"):
+        # stdlib only (flock, as filelock takes it): path step 2 records pins before the venv holds any package
+        with open(str(self.path) + ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
             self.entries = self._read()
             have = self.entries.get(key)
             if have is not None and have["value"] != value:
