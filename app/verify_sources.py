@@ -9,8 +9,9 @@ instead of routes.py), a `.pth`, `__pycache__/*.pyc` bytecode, data files, symli
 belongs outside the directory: the launcher and the test suite set PYTHONPYCACHEPREFIX. A null pin is refused unless --allow-unpinned. The other
 pins (runtime, FlashInfer, CUDA, PyTorch, Rust, protoc) are listed with their state; the scripts
 that download those verify them at the time they use them. Pins recorded on this host where the
-bundle pins none (trust on first use, `prepare_v100_model.py --record-pins`; --pins, default
-$OPENJEV_V100_ROOT/pins.json) are listed as such, each with when and by what it was recorded.
+bundle pins none (trust on first use, `prepare_v100_torch.py --record-pins` and
+`prepare_v100_model.py --record-pins`; --pins, default $OPENJEV_V100_ROOT/pins.json) are listed as
+such, each with when and by what it was recorded.
 
 Exit status: 0 all verified; 1 a mismatch, a missing or unlisted file, or a refused null pin.
 
@@ -35,8 +36,8 @@ OTHER_PINS = {
     ("base_model", "revision"): "prepare_v100_model.py",
     ("runtime", "revision"): "install_v100_runtime.sh",
     ("flashinfer", "revision"): "install_v100_runtime.sh",
-    ("torch", "wheel_sha256"): "install_v100_runtime.sh",
-    ("torchvision", "wheel_sha256"): "install_v100_runtime.sh",
+    ("torch", "wheel_sha256"): "prepare_v100_torch.py",
+    ("torchvision", "wheel_sha256"): "prepare_v100_torch.py",
     ("cuda", "manifest_sha256"): "prepare_v100_cuda.py",
     ("rust", "rustup_init_sha256"): "install_v100_runtime.sh",
     ("protoc", "sha256"): "install_v100_runtime.sh",
