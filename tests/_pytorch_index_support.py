@@ -20,6 +20,9 @@ real wheels that pip resolves, downloads, checks and installs as it does the rea
     routes, types = pytorch_index()
     with LoopbackHTTPServer(routes, content_types=types) as srv:
         index_url = srv.url + INDEX_PATH.strip("/")      # what --index-url gets
+
+`pytorch_index(tampered=True)` is the same index serving other bytes under the same file names (each wheel
+holds one more module), its pages linking their sha256: what a compromised or changed index would serve.
 """
 
 from __future__ import annotations
@@ -76,12 +79,14 @@ def _record_hash(data: bytes) -> str:
     return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
 
-def build_wheel(project: str, version: str, tag: str) -> tuple[str, bytes]:
-    """(file name, bytes) of a valid wheel of PACKAGES[project] (deterministic: fixed member times)."""
+def build_wheel(project: str, version: str, tag: str, tampered: bool = False) -> tuple[str, bytes]:
+    """(file name, bytes) of a valid wheel of PACKAGES[project] (deterministic: fixed member times);
+    tampered: one more module, so other bytes under the same name."""
     dist_info = f"{project}-{version}.dist-info"
     metadata = "".join([f"Metadata-Version: 2.1\nName: {project}\nVersion: {version}\n",
                         f"Summary: {STANDIN_NOTE}\n", *(f"Requires-Dist: {r}\n" for r in REQUIRES[project])])
-    members = {**PACKAGES[project],
+    extra = {f"{project}/_tampered.py": "TAMPERED = True\n"} if tampered else {}
+    members = {**PACKAGES[project], **extra,
                f"{dist_info}/METADATA": metadata,
                f"{dist_info}/WHEEL": (f"Wheel-Version: 1.0\nGenerator: tests/_pytorch_index_support.py\n"
                                       f"Root-Is-Purelib: false\nTag: {tag}\n"),
@@ -99,14 +104,14 @@ def build_wheel(project: str, version: str, tag: str) -> tuple[str, bytes]:
     return f"{project}-{version}-{tag}.whl", buf.getvalue()
 
 
-def pytorch_index() -> tuple[dict[str, bytes], dict[str, str]]:
+def pytorch_index(tampered: bool = False) -> tuple[dict[str, bytes], dict[str, str]]:
     """(routes, content types) of the loopback index: a simple page per project and its wheels."""
     routes: dict[str, bytes] = {}
     types: dict[str, str] = {}
     for project, version in VERSIONS.items():
         links = []
         for tag in wheel_tags():
-            name, data = build_wheel(project, version, tag)
+            name, data = build_wheel(project, version, tag, tampered)
             path = INDEX_PATH + quote(name)
             routes[path] = data
             links.append(f'<a href="{html.escape(path)}#sha256={hashlib.sha256(data).hexdigest()}">'
