@@ -56,14 +56,14 @@ SUBSTITUTIONS: list[tuple[int, str, str, str]] = [
      "(.venv's site-packages, torch 2.13.0 CPU) through a .pth; .venv is itself a venv, so "
      "--system-site-packages would not show its packages; --without-pip: pip and setuptools too come from .venv "
      "(ensurepip's setuptools cannot build an editable wheel offline)"),
-    (2, "venv/bin/pip install torch", "{base_python} -m venv {torch_venv} && {torch_venv}/bin/pip install torch",
+    (2, "venv/bin/python app/prepare_v100_torch.py --record-pins",
+     "{base_python} -m venv {torch_venv} && venv/bin/python app/prepare_v100_torch.py --record-pins "
+     "--venv {torch_venv} --index-url {torch_index}",
      "the cu126 wheels' stand-ins go into a venv of their own, outside the root, made as the block's first "
      "line makes one (with pip): in venv they would shadow .venv's real CPU torch, which the embedded "
-     "backend of steps 5-10 runs on; the pip command and its requirements run as written"),
-    (2, "https://download.pytorch.org/whl/cu126", "{torch_index}",
-     "PyTorch's index: a loopback PEP 503 simple index (/whl/cu126/torch/, /whl/cu126/torchvision/) of small "
-     "real wheels named and tagged as PyTorch's for this machine, each link with its #sha256= "
-     "(tests/_pytorch_index_support.py)"),
+     "backend of steps 5-10 runs on; PyTorch's index is a loopback PEP 503 simple index (/whl/cu126/torch/, "
+     "/whl/cu126/torchvision/) of small real wheels named and tagged as PyTorch's for this machine, each link "
+     "with its #sha256= (tests/_pytorch_index_support.py); the script, its pins and its receipt are the root's"),
     (2, "-m pip install --no-deps -e .", "-m pip install --no-deps --no-build-isolation -e .",
      "the only package index in tests is the PyTorch stand-in, which has no setuptools: setuptools comes "
      "from .venv instead of an isolated build"),
@@ -288,12 +288,18 @@ def test_the_runbook_path_runs_in_order_and_a_second_pass_changes_nothing(rehear
     assert r.env["OPENJEV_V100_ROOT"] == str(root) and r.cwd == str(root)
     assert r.env["PYTHONPYCACHEPREFIX"] == str(root / "pycache")
     assert (root / ".git").is_dir() and (root / "app" / "serve_sglang_v100.sh").is_file()
-    # 2: pip took this machine's wheels from the loopback index (checking their sha256) and the check line
-    # printed what the runbook shows; the venv imports the bundle's library and keeps .venv's real torch
+    # 2: pip took this machine's wheels from the loopback index, the step recorded their sha256 in the root's
+    # pins.json (trust on first use) and installed them, and the check line printed what the runbook shows;
+    # the venv imports the bundle's library and keeps .venv's real torch
     pages = {q.path for q in r.pytorch.requests if not q.path.endswith(".whl")}
     assert pages == {f"{INDEX_PATH}torch/", f"{INDEX_PATH}torchvision/"}, r.pytorch.requests
     fetched = sorted(q.path for q in r.pytorch.requests if q.path.endswith(".whl"))
     assert len(fetched) == 2 and set(fetched) <= set(wheel_paths(r.pytorch_routes)), fetched
+    wheel_pins = wheel_pins_recorded(root)
+    assert wheel_pins == {f"{path.split('/')[-1].split('-')[0]}.wheels.{path.split('/')[-1].replace('%2B', '+')}":
+                          hashlib.sha256(r.pytorch_routes[path]).hexdigest() for path in fetched}, wheel_pins
+    assert p(2).stdout.count("(trust on first use)") == 2 and "installed into " in p(2).stdout, p(2).stdout
+    assert json.loads((root / "results" / "torch_receipt.json").read_text())["kind"] == "openjev-torch-wheels"
     check = p(2).stdout.strip().splitlines()[-1]
     assert check.startswith(f"{TORCH_VERSION} [") and "'sm_70'" in check, p(2).stdout
     probe = subprocess.run([str(root / "venv/bin/python"), "-c",
@@ -345,7 +351,13 @@ def test_the_runbook_path_runs_in_order_and_a_second_pass_changes_nothing(rehear
                      if before.get(k) != after.get(k) and not k.startswith(tuple(p for p, _ in REWRITTEN)))
     assert changed == [], changed
     assert "already installed" in second["pass2-step3.0"].stdout
-    assert "Requirement already satisfied: torch==2.9.1+cu126" in second["pass2-step2.0"].stdout
+    # 2: the installed wheels verified against the pins pass 1 recorded; nothing downloaded or changed
+    recorded = json.loads((root / "pins.json").read_text())["pins"]
+    step2 = second["pass2-step2.0"].stdout
+    assert "nothing to do" in step2 and wheel_pins_recorded(root) == wheel_pins, step2
+    for key in wheel_pins:
+        assert f"{key.split('.wheels.')[1]} sha256 {wheel_pins[key]} (recorded on this host at " \
+               f"{recorded[key]['recorded_at']} (trust on first use))" in step2, step2
     assert len([q for q in r.pytorch.requests if q.path.endswith(".whl")]) == 2, "step 2 downloaded again"
     assert second["pass2-step10.0"].stdout.count("unchanged: ") == 7, second["pass2-step10.0"].stdout
     assert "argmax agreement 22/22" in second["pass2-step7.0"].stdout
@@ -356,6 +368,12 @@ def test_the_runbook_path_runs_in_order_and_a_second_pass_changes_nothing(rehear
     print(f"\nrunbook rehearsal: first pass {first_s:.0f} s, both passes {total:.0f} s; per block: "
           + ", ".join(f"{tag.split('-', 1)[1]} {s:.0f}" for tag, s in r.seconds.items() if tag.startswith("pass1")))
     assert total < TIME_LIMIT_S, f"the rehearsal took {total:.0f} s (limit {TIME_LIMIT_S} s)"
+
+
+def wheel_pins_recorded(root: Path) -> dict[str, str]:
+    """{key: sha256} of the wheel pins step 2 recorded in the root's pins.json."""
+    pins = json.loads((root / "pins.json").read_text())["pins"]
+    return {k: v["value"] for k, v in pins.items() if ".wheels." in k}
 
 
 def home_units(r: Rehearsal) -> set[str]:
