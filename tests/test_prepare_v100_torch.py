@@ -60,7 +60,11 @@ class Host:
                 "OPENJEV_V100_ROOT": str(self.root), "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
 
     def run(self, *args, venv: Path | None = None) -> subprocess.CompletedProcess:
-        cmd = [PY, str(APP / "prepare_v100_torch.py"), "--venv", str(venv or self.venv), "--index-url",
+        """As the runbook runs it: by the venv's own Python, which holds nothing but pip (PYTHONPATH stands
+        for the bundle's editable install)."""
+        venv = venv or self.venv
+        python = venv / "bin" / "python" if (venv / "bin" / "python").exists() else Path(PY)
+        cmd = [str(python), str(APP / "prepare_v100_torch.py"), "--venv", str(venv), "--index-url",
                self.index.index_url, *map(str, args)]
         return subprocess.run(cmd, capture_output=True, text=True, env=self.env(), timeout=300)
 
