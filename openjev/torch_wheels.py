@@ -229,6 +229,9 @@ def install(venv: Venv, wanted: list[Wheel], files: dict[str, Path], verified: d
     venv's state afterwards and the commands."""
     urls = list(dict.fromkeys(w.index_url for w in wanted))
     index = ["--index-url", urls[0], *(a for u in urls[1:] for a in ("--extra-index-url", u))]
+    # file URLs with their sha256: pip checks it again and records it in direct_url.json (pip before 22.2
+    # records no hash of a plain local file)
+    src = {w.project: f"{files[w.project].absolute().as_uri()}#sha256={verified[w.project]['sha256']}" for w in wanted}
     commands = []
 
     def pip_install(*args: str) -> None:
@@ -238,11 +241,11 @@ def install(venv: Venv, wanted: list[Wheel], files: dict[str, Path], verified: d
             raise UserError(f"pip install into {venv.path} exited with status {rc} (pip's output is above); "
                             "run this step again once the cause is fixed")
 
-    pip_install(*index, *(str(files[w.project]) for w in wanted))
+    pip_install(*index, *(src[w.project] for w in wanted))
     state = venv.installed()
     stale = [w for w in wanted if installed_file(state.get(w.project))[1] != verified[w.project]["sha256"]]
     if stale:  # pip keeps a same-version install from elsewhere (an index) in place of a file
-        pip_install("--no-deps", "--no-index", "--force-reinstall", *(str(files[w.project]) for w in stale))
+        pip_install("--no-deps", "--no-index", "--force-reinstall", *(src[w.project] for w in stale))
         state = venv.installed()
     for w in wanted:
         have, sha = state.get(w.project), installed_file(state.get(w.project))[1]

@@ -209,6 +209,25 @@ def test_an_install_from_the_index_is_replaced_by_the_verified_file(host):
     assert host.run().stdout.rstrip().endswith("nothing to do")
 
 
+def old_pip_wheel() -> Path | None:
+    """A pip before 22.2 (which records no sha256 of a plain local file in direct_url.json), as Ubuntu 22.04's
+    venvs have: one bundled with an older CPython beside this one (pyenv), if any."""
+    versions = Path(sys._base_executable).resolve().parents[2]
+    found = sorted(versions.glob("*/lib/python3.*/ensurepip/_bundled/pip-2[0-2].[0-1]*-py3-none-any.whl"))
+    return found[-1] if found else None
+
+
+def test_a_venv_with_an_older_pip_gets_the_same_checks(host):
+    wheel = old_pip_wheel()
+    if wheel is None:
+        pytest.skip("no pip older than 22.2 on this machine (an older CPython's ensurepip bundle)")
+    subprocess.run([str(host.venv / "bin" / "python"), "-m", "pip", "install", "--no-index", str(wheel)], check=True,
+                   capture_output=True, env=host.env())
+    proc = host.run("--record-pins")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert host.run().stdout.rstrip().endswith("nothing to do")
+
+
 def test_no_venv_is_one_line(host, tmp_path):
     line = one_error(host.run("--record-pins", venv=tmp_path / "nowhere"))
     assert f"no Python interpreter at {tmp_path / 'nowhere' / 'bin' / 'python'}" in line
