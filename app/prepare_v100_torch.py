@@ -12,7 +12,8 @@ them). Refused, with one line and nothing installed: a wheel nothing pins withou
 ROOT/wheels/rejected/). The receipt ROOT/results/torch_receipt.json names each wheel, its sha256 and how
 it was verified ("bundle pin", or "recorded on this host at <time> (trust on first use)"). A re-run whose
 venv holds the wheels the receipt names (pip keeps each installed file's sha256 in direct_url.json), still
-verified, changes nothing and says so. Needs no package but pip in the venv: it runs before torch is there.
+verified, changes nothing and says so. pip's cache and temporary files go under ROOT (cache/pip, tmp).
+Needs no package but pip in the venv: it runs before torch is there.
 
 Examples:
   venv/bin/python app/prepare_v100_torch.py --record-pins     # first run on this host: records both sha256
@@ -58,7 +59,7 @@ def main() -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_interrupt)
     root = openjev_root().absolute()
-    venv = tw.Venv(args.venv or root / "venv")
+    venv = tw.Venv(args.venv or root / "venv", root)
     pins = HostPins(args.pins or host_pins_path(root))
     wanted = tw.wanted_wheels(load_sources(args.sources), args.index_url)
     receipt_path = root / "results" / tw.RECEIPT_NAME
@@ -77,12 +78,12 @@ def main() -> int:
     tw.refuse_unpinnable(wanted, pins, args.record_pins, args.allow_unpinned)
 
     # 3. download, verify (recording with --record-pins), install only verified files
-    started_at, cache = utc_now(), root / "cache" / "pip"
+    started_at = utc_now()
     with tw.download_folder(root / "wheels") as dest:
-        files, commands = tw.download(venv, wanted, dest, cache)
+        files, commands = tw.download(venv, wanted, dest)
         verified = tw.verify(files, wanted, pins, record=args.record_pins, allow_unpinned=args.allow_unpinned,
                              rejected=root / "wheels" / "rejected")
-        state, installs = tw.install(venv, wanted, files, verified, cache)
+        state, installs = tw.install(venv, wanted, files, verified)
 
     # 4. the receipt, and what was verified how
     receipt_path.parent.mkdir(parents=True, exist_ok=True)

@@ -102,8 +102,10 @@ def how_verified(entry: dict) -> str:
 
 # ---------------------------------------------------------------- the venv
 class Venv:
-    def __init__(self, path: Path):
-        self.path = Path(path).expanduser().absolute()
+    """The venv to install into; pip's cache and temporary files go under `root` (downloads of gigabytes)."""
+
+    def __init__(self, path: Path, root: Path):
+        self.path, self.root = Path(path).expanduser().absolute(), root
         self.python = self.path / "bin" / "python"
 
     def check(self) -> None:
@@ -121,10 +123,12 @@ class Venv:
                             f"{proc.returncode}): {last}")
         return json.loads(proc.stdout)
 
-    def pip(self, *args: str, cache: Path) -> tuple[int, list[str]]:
+    def pip(self, *args: str) -> tuple[int, list[str]]:
         """Run the venv's pip, its output to the terminal: (exit status, the command, for the receipt)."""
         cmd = [str(self.python), "-I", "-m", "pip", *args]
-        return subprocess.run(cmd, env={**os.environ, "PIP_CACHE_DIR": str(cache)}).returncode, cmd
+        (self.root / "tmp").mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PIP_CACHE_DIR": str(self.root / "cache" / "pip"), "TMPDIR": str(self.root / "tmp")}
+        return subprocess.run(cmd, env=env).returncode, cmd
 
 
 def installed_file(entry: dict | None) -> tuple[str | None, str | None]:
@@ -179,13 +183,13 @@ def download_folder(folder: Path):
         os.close(fd)
 
 
-def download(venv: Venv, wanted: list[Wheel], dest: Path, cache: Path) -> tuple[dict[str, Path], list]:
+def download(venv: Venv, wanted: list[Wheel], dest: Path) -> tuple[dict[str, Path], list]:
     """({project: downloaded wheel}, commands): pip download --no-deps of each wanted wheel into dest."""
     commands = []
     for url in dict.fromkeys(w.index_url for w in wanted):
         reqs = [w.requirement for w in wanted if w.index_url == url]
         rc, cmd = venv.pip("download", "--no-deps", "--only-binary", ":all:", "--no-cache-dir", "--index-url", url,
-                           "-d", str(dest), *reqs, cache=cache)
+                           "-d", str(dest), *reqs)
         if rc != 0:
             raise UserError(f"pip download from {url} exited with status {rc} (pip's output is above); "
                             "nothing was installed")
@@ -222,8 +226,7 @@ def verify(files: dict[str, Path], wanted: list[Wheel], pins: HostPins, *, recor
     return out
 
 
-def install(venv: Venv, wanted: list[Wheel], files: dict[str, Path], verified: dict[str, dict],
-            cache: Path) -> tuple[dict, list]:
+def install(venv: Venv, wanted: list[Wheel], files: dict[str, Path], verified: dict[str, dict]) -> tuple[dict, list]:
     """Install the verified files (their dependencies from the index); a wheel of the same version that pip
     keeps because it is already installed from elsewhere is replaced with --force-reinstall. Returns the
     venv's state afterwards and the commands."""
@@ -235,7 +238,7 @@ def install(venv: Venv, wanted: list[Wheel], files: dict[str, Path], verified: d
     commands = []
 
     def pip_install(*args: str) -> None:
-        rc, cmd = venv.pip("install", *args, cache=cache)
+        rc, cmd = venv.pip("install", *args)
         commands.append(cmd)
         if rc != 0:
             raise UserError(f"pip install into {venv.path} exited with status {rc} (pip's output is above); "
