@@ -1,19 +1,20 @@
 #!/usr/bin/env python3
 """Install PyTorch's torch and torchvision wheels into the runtime venv, each verified by its sha256 first.
 
-The versions and the index come from HF_SOURCE.json (`torch`, `torchvision`: version, variant,
-index_url). The venv's own pip downloads each wheel (`pip download --no-deps`, so the file fits the venv's
-Python) into ROOT/wheels/download; its sha256 must equal `<project>.wheel_sha256` in HF_SOURCE.json, else
-the sha256 this host recorded (ROOT/pins.json, key `<project>.wheels.<file name>`); where neither exists,
---record-pins records it (trust on first use) and --allow-unpinned accepts it once. Only then are the
-verified files installed (pip install of the files; their dependencies from the index as pip resolves
-them). Refused, with one line and nothing installed: a wheel nothing pins without --record-pins or
---allow-unpinned (before the download), and a wheel whose sha256 differs from its pin (kept aside in
-ROOT/wheels/rejected/). The receipt ROOT/results/torch_receipt.json names each wheel, its sha256 and how
-it was verified ("bundle pin", or "recorded on this host at <time> (trust on first use)"). A re-run whose
-venv holds the wheels the receipt names (pip keeps each installed file's sha256 in direct_url.json), still
-verified, changes nothing and says so. pip's cache and temporary files go under ROOT (cache/pip, tmp).
-Needs no package but pip in the venv: it runs before torch is there.
+The versions and the index come from HF_SOURCE.json (`torch`, `torchvision`: version, variant, index_url).
+The venv's own pip downloads each wheel (`pip download --no-deps`, so the file fits the venv's Python)
+into ROOT/wheels/download (ROOT: $OPENJEV_V100_ROOT, default ~/storage/sglang-openjev-v100); its sha256
+must equal `<project>.wheel_sha256` in HF_SOURCE.json, else the sha256 this host recorded (ROOT/pins.json,
+key `<project>.wheels.<file name>`); where neither exists, --record-pins records it (trust on first use)
+and --allow-unpinned accepts it once. Only then are the verified files installed (pip install of the
+files; their dependencies from the index as pip resolves them). Refused, with one line and nothing
+installed: a wheel nothing pins without --record-pins or --allow-unpinned (before the download), and a
+wheel whose sha256 differs from its pin (kept aside in ROOT/wheels/rejected/). The receipt
+ROOT/results/torch_receipt.json names each wheel, its sha256 and how it was verified ("bundle pin", or
+"recorded on this host at <time> (trust on first use)"). A re-run whose venv holds the wheels the receipt
+names (pip keeps each installed file's sha256 in direct_url.json), still verified, changes nothing and
+says so. pip's cache and temporary files go under ROOT (cache/pip, tmp). Needs no package but pip in the
+venv: it runs before torch is there.
 
 Examples:
   venv/bin/python app/prepare_v100_torch.py --record-pins     # first run on this host: records both sha256
