@@ -122,6 +122,8 @@ def test_first_run_records_both_sha256_and_installs_the_verified_files(host):
     receipt = json.loads(host.receipt.read_text())
     assert receipt["kind"] == "openjev-torch-wheels" and receipt["made_by"] == "app/prepare_v100_torch.py"
     assert receipt["venv"] == str(host.venv) and receipt["record_pins"] is True
+    validated = subprocess.run([PY, str(APP / "validate_receipts.py"), str(host.receipt)], capture_output=True, text=True)
+    assert validated.returncode == 0 and "ok (openjev-torch-wheels)" in validated.stdout, validated.stderr
     for project, entry in receipt["wheels"].items():
         assert served[entry["file"]] == entry["sha256"] and entry["pinned"] is True
         recorded_at = pins[f"{project}.wheels.{entry['file']}"]["recorded_at"]

@@ -9,6 +9,7 @@ Writers check a receipt before writing it with `check_receipt`.
   openjev.receipts.bench         "openjev-bench" (app/bench_classify_v100.py)
   openjev.receipts.reference     "openjev-reference" (app/score_reference.py)
   openjev.receipts.history       the bench history report and its reference lines
+  openjev.receipts.install       the torch wheels the runtime venv was given (app/prepare_v100_torch.py)
   openjev.receipts.benchmarks    gateway, multihost, replicas on GPUs, serving front, harness overhead
   openjev.receipts.engine        fla configurations, embedded variants, sgl-kernel CPU ops build and engine
   openjev.receipts.schema_files  the generated schema files and their check
@@ -28,13 +29,14 @@ from openjev.receipts.benchmarks import GatewayBench, HarnessOverhead, Multihost
     ServingFrontBench
 from openjev.receipts.engine import EmbeddedGpuVariants, FlaConfigs, SglangCpuEngine, SglCpuOpsBuild
 from openjev.receipts.history import BenchHistory, BenchReferenceLines
+from openjev.receipts.install import TorchWheels
 from openjev.receipts.reference import ReferenceReceipt
 
 # every receipt model, one schema file each
 RECEIPTS: tuple[type[Receipt], ...] = (
     BenchReceipt, ReferenceReceipt, BenchHistory, BenchReferenceLines, GatewayBench, MultihostBench,
     ReplicasGpuBench, ServingFrontBench, HarnessOverhead, FlaConfigs, EmbeddedGpuVariants, SglCpuOpsBuild,
-    SglangCpuEngine,
+    SglangCpuEngine, TorchWheels,
 )
 
 
