@@ -23,6 +23,8 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+from openjev.engine.transfer import to_device
+
 log = logging.getLogger("openjev.attention")
 
 # FlashAttention's query and key blocks for the model's head size (256) on SM80/SM90; prefix states
@@ -48,11 +50,17 @@ class PaddedLayout:
     plans: dict = field(default_factory=dict, compare=False, repr=False)  # per device: the attention plan
 
     def call_lengths(self) -> list[int]:
-        """Each row's own attention call: prefix and row, and one unseen zero token where a
-        state-keeping forward's call would be a whole number of tiles (see attend_after_prefix)."""
+        """Each row's own attention call (see call_length)."""
         starts = self.starts or (0,) * len(self.lengths)
-        return [p + n + int(self.per_row_states and (p + n) % FLASH_QUERY_TILE == 0)
-                for n, p in zip(self.lengths, starts)]
+        return [call_length(p, n, self.per_row_states) for n, p in zip(self.lengths, starts)]
+
+
+def call_length(prefix: int, n: int, keep_odd: bool) -> int:
+    """The length of the attention call for `n` queries after `prefix` tokens: prefix and row, and one
+    unseen zero token where a state-keeping forward's call would be a whole number of tiles (see
+    attend_after_prefix)."""
+    total = prefix + n
+    return total + int(keep_odd and total % FLASH_QUERY_TILE == 0)
 
 
 _LAYOUT: contextvars.ContextVar = contextvars.ContextVar("openjev_padded_layout", default=None)
@@ -111,7 +119,7 @@ def rowwise_attention() -> str:
         for j in alone:
             n, p = layout.lengths[j], starts[j]
             q, k, v = query[j:j + 1, :, :n], key[j:j + 1, :, off - p: off + n], value[j:j + 1, :, off - p: off + n]
-            if p == 0 and not (odd and n % FLASH_QUERY_TILE == 0):
+            if call_length(p, n, odd) == n:  # the row's own unpadded call
                 row = inner(module, q, k, v, None, **kwargs)[0]
             else:
                 row = attend_after_prefix(inner, module, q, k, v, p, keep_odd=odd, **kwargs)
@@ -137,10 +145,10 @@ def attend_after_prefix(inner, module, query, key, value, prefix: int, keep_odd:
     import torch
 
     total = prefix + query.shape[2]
-    extra = int(keep_odd and total % FLASH_QUERY_TILE == 0)
-    queries = query.new_zeros(query.shape[:2] + (total + extra, query.shape[3]))
+    length = call_length(prefix, query.shape[2], keep_odd)
+    queries = query.new_zeros(query.shape[:2] + (length, query.shape[3]))
     queries[:, :, prefix:total] = query
-    if extra:
+    if length > total:
         key = torch.cat([key, key.new_zeros(key.shape[:2] + (1, key.shape[3]))], dim=2)
         value = torch.cat([value, value.new_zeros(value.shape[:2] + (1, value.shape[3]))], dim=2)
     return inner(module, queries, key, value, None, **kwargs)[0][:, prefix:total]
@@ -188,7 +196,7 @@ class BatchedRows:
             k_index=k_pos.clamp(0, layout.offset + width_q - 1), k_valid=t < p + n,
             out_rows=torch.arange(len(rows))[:, None].expand(-1, width_q),
             out_index=(o + p).clamp(0, width - 1), out_valid=o < n)
-        return cls(**{k: v.contiguous().to(device, non_blocking=False) for k, v in tensors.items()})
+        return cls(**{k: to_device(v.contiguous(), device) for k, v in tensors.items()})
 
     def attend(self, inner, module, query, key, value, out, **kwargs) -> None:
         def place(x, index, valid):  # [b, h, s, d] -> [g, h, width, d], zeros where not valid
@@ -216,7 +224,8 @@ def _plan(layout: PaddedLayout, query, kv_heads: int, inner) -> RowPlan:
         if c % FLASH_QUERY_TILE and query.shape[1] * math.ceil(c / FLASH_QUERY_TILE) >= FLASH_WHOLE_CALL_PER_SM * sms]
     if len(batched) < 2:
         batched = []
-    alone = [j for j in rows if j not in set(batched)]
+    shared = set(batched)
+    alone = [j for j in rows if j not in shared]
     plan = RowPlan(alone, BatchedRows.build(layout, batched, query.shape[2], query.device) if batched else None)
     layout.plans[key] = plan
     return plan

@@ -31,6 +31,7 @@ import numpy as np
 
 from openjev.common import LABELS, UserError, sha256_file
 from openjev.engine.attention import check_batching, padded_rows, rowwise_attention
+from openjev.engine.transfer import to_device
 from sglang_openjev import weights
 from sglang_openjev.contract import check_label_order
 
@@ -194,15 +195,6 @@ def _exact_in_threads(clf: Classifier, rows: list[list[int]], threads: int, prog
     if errors:
         raise errors[0]
     return kept
-
-
-def to_device(tensor, device):
-    """A host tensor on `device` without waiting for queued GPU work: on a GPU copied from pinned
-    memory with non_blocking=True (PyTorch's default copy synchronizes the stream, i.e. waits for
-    the forwards already queued); elsewhere as is."""
-    if not str(device).startswith("cuda"):
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def padded_logits(clf: Classifier, rows: list[list[int]]):

@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from openjev.engine.attention import current_layout, padded_layout
 from openjev.engine.batching import StepResult, length_groups
+from openjev.engine.transfer import to_device
 
 log = logging.getLogger("openjev.prefix")
 DEFAULT_MIN_TOKENS = 32
@@ -191,9 +193,6 @@ class ContinuationForwards:
     def run(self, items: list, want_states: bool):
         """items: (start PrefixState or None, tokens to run). Returns (logits [n, 3] on the device,
         the state after each row, or None)."""
-        from openjev.engine.attention import padded_layout
-        from openjev.engine.classifier import to_device
-
         torch = self.torch
         dev = self.clf.device
         starts = [s.length if s is not None else 0 for s, _ in items]
@@ -257,8 +256,6 @@ class ContinuationForwards:
 
     def _states(self, cache, starts, lengths, offset) -> list[PrefixState]:
         """Each row's state after its real tokens, one allocation per row and kind."""
-        from openjev.engine.classifier import to_device
-
         torch = self.torch
         ends = torch.tensor(lengths, dtype=torch.long)[:, None] + torch.arange(self.kernel)  # a row's last inputs
         ends = to_device(ends, self.clf.device)
@@ -299,7 +296,6 @@ def padding_inert_chunk(inner):
     after the row's last real token; where the padding is whole 64-token chunks (every forward that
     keeps states runs from chunk boundary to chunk boundary) the kernels' chunk arithmetic keeps it
     bit for bit. Real tokens' outputs are those of the unmasked call (the rule is causal)."""
-    from openjev.engine.attention import current_layout
 
     @functools.wraps(inner)
     def chunk_with_inert_padding(query, key, value, g, beta, *args, initial_state=None,
