@@ -77,11 +77,13 @@ test-sglang: sglang-venvs
 
 venv: $(VENV)/.requirements.stamp
 
+# --no-compile: the tests run with PYTHONPYCACHEPREFIX (tests/conftest.py), so Python never reads the
+# __pycache__ pip would write into site-packages; anything else compiles what it imports on first use.
 $(VENV)/.requirements.stamp: requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.txt
-	$(PY) -m pip install --quiet --no-deps -e .
+	$(PY) -m pip install --quiet --no-compile -r requirements.txt
+	$(PY) -m pip install --quiet --no-compile --no-deps -e .
 	touch $@
 
 clean-demo:

@@ -12,6 +12,9 @@
 # file; only the base's own path in bin/ scripts and pyvenv.cfg is rewritten to the venv's (sed -i
 # writes new files, so the base keeps its own).
 #
+# pip installs with --no-compile: the tests run with PYTHONPYCACHEPREFIX (tests/conftest.py), so the
+# __pycache__ pip would write into site-packages is never read (compiling it was half of the install).
+#
 # When a venv cannot be made here (no index, no disk), it writes build/sglang-venvs/VERSION.unavailable
 # with the reason and goes on, so `make test` skips that version with the reason;
 # OPENJEV_SGLANG_REQUIRED=1 (CI) makes that a failure instead (exit 1).
@@ -62,7 +65,7 @@ if [ $# -ge 2 ]; then
       echo "sglang venv base: installing the $(wc -l <"$common") packages pinned alike for $* into $root/.base"
       start=$(now)
       if "$py" -m venv "$root/.base" && cp "$common" "$root/.base/requirements.txt" &&
-        "$root/.base/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps \
+        "$root/.base/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --no-compile \
           -r "$root/.base/requirements.txt" >"$root/base.install.log" 2>&1; then
         echo "$bwant" >"$root/.base/.stamp"; base=$root/.base
         echo "sglang venv base: ready in $(( $(now) - start )) s"
@@ -97,7 +100,7 @@ for v in $todo; do
     echo "sglang venv $v: installing $req into $dir (a few minutes, ~7 GB: torch's CUDA wheel)"
     if ! "$py" -m venv "$dir"; then fail "$v" "python -m venv failed"; rm -f "$own"; continue; fi
   fi
-  if ! "$dir/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -r "$own" >"$dir.install.log" 2>&1; then
+  if ! "$dir/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --no-compile -r "$own" >"$dir.install.log" 2>&1; then
     fail "$v" "pip install --no-deps -r $req failed (log: $dir.install.log: $(grep -m1 ERROR "$dir.install.log"))"
     rm -f "$own"; continue
   fi
