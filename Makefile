@@ -32,9 +32,10 @@ SGLANG_EXTRA_TESTS_0.5.23 := tests/test_sglang_cpu_engine.py
 
 # -rs prints the reason of every skipped test; pytest's exit 5 (no tests collected) fails make.
 # `make test` = provision (apt packages when root with apt), the suite in .venv (on every core with
-# pytest-xdist, then the serial tests alone), then the SGLang
-# adapter/launcher tests in each real-SGLang venv (OPENJEV_REQUIRE_SGLANG=1 turns their
-# "sglang not importable" skips into failures there).
+# pytest-xdist), then the serial tests, beside them at nice 10 the SGLang adapter/launcher tests in
+# each real-SGLang venv (OPENJEV_REQUIRE_SGLANG=1 turns their "sglang not importable" skips into
+# failures there). The serial tests use about one core; the niced tests take what they leave and
+# yield it whenever a serial test wants it.
 # The real-SGLang venvs (mostly unpacking wheels) are built in the background while the main suite
 # runs; their log is printed when both are done.
 test: venv provision
@@ -44,8 +45,10 @@ test: venv provision
 	  $(PY) -m pytest -rs -n auto -m "not serial" tests; rc=$$?; \
 	  wait $$venvs; vrc=$$?; cat $$log; \
 	  [ $$rc -eq 0 ] || exit $$rc; [ $$vrc -eq 0 ] || { echo "real-SGLang venvs: failed (log above)"; exit $$vrc; }
-	$(PY) -m pytest -rs -m serial tests
-	$(MAKE) --no-print-directory test-sglang
+	@log=build/test-sglang.log; nice -n 10 $(MAKE) --no-print-directory test-sglang >$$log 2>&1 & sgl=$$!; \
+	  echo "real-SGLang tests: beside the serial tests, at a lower CPU priority (log: $$log)"; \
+	  $(PY) -m pytest -rs -m serial tests; rc=$$?; \
+	  wait $$sgl; src=$$?; cat $$log; [ $$rc -eq 0 ] && [ $$src -eq 0 ]
 
 # The fast tier: every test not marked slow (tests/conftest.py marks what starts servers or runs
 # script pipelines), spread over the cores by pytest-xdist.
