@@ -47,6 +47,9 @@
 # Benches: app/bench_classify_v100.py, batches of 32 from 4 workers, 3 measured passes, the GPU-exclusivity
 # monitor on GPU 0; then benchmarks/compute_bound.py.
 # Environment: PYTHON (python3), WORK (/tmp/openjev-sglang-gpu), SITE (/tmp/site), SETS ("s128 t564"),
+# EMBEDDED_TAG (a suffix of the embedded stages' receipt names, e.g. _shared beside
+# OPENJEV_PADDED_ATTENTION=shared, which the servers read from the environment), EMBEDDED_ARGS (more
+# serve_transformers.py flags for both embedded stages, e.g. --log-level debug: one line a step),
 # SGLANG_ARGS (more serve_sglang_v100.sh flags), STAGE_TIMEOUT (seconds a stage, default 560),
 # REPETITIONS (3). Stand-ins: sgl-kernel's compiled ops are not carried (a 356 MiB wheel); its
 # Python package falls back to `import common_ops`, which tests/openjev_testsupport/sgl_kernel_cuda_standin/shim
@@ -218,29 +221,31 @@ EOS
 }
 
 stage_embedded() {
-  local port pid s
+  local port pid s tag=embedded${EMBEDDED_TAG:-}
   port=$(free_port)
+  # shellcheck disable=SC2086
   "$PY" app/serve_transformers.py "$MODEL" "$port" --device cuda --max-running-requests 16 --step-token-budget 65536 \
-    >"$R/embedded.server.log" 2>&1 &
+    ${EMBEDDED_ARGS:-} >"$R/$tag.server.log" 2>&1 &
   pid=$!
-  wait_healthy "$pid" "$port" "$R/embedded.server.log" || { kill "$pid"; return 1; }
-  for s in $SETS; do bench "embedded_$s" "$s" "$port" "$pid"; done
+  wait_healthy "$pid" "$port" "$R/$tag.server.log" || { kill "$pid"; return 1; }
+  for s in $SETS; do bench "${tag}_$s" "$s" "$port" "$pid"; done
   kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
   return 0
 }
 
 stage_embedded_prefix() {  # the embedded backend with --prefix-reuse: per set, flushed before each pass, then warm
-  local port pid s
+  local port pid s tag=embedded_prefix${EMBEDDED_TAG:-}
   port=$(free_port)
+  # shellcheck disable=SC2086
   "$PY" app/serve_transformers.py "$MODEL" "$port" --device cuda --max-running-requests 16 --step-token-budget 65536 \
-    --prefix-reuse --prefix-cache-mb "${PREFIX_CACHE_MB:-49152}" >"$R/embedded_prefix.server.log" 2>&1 &
+    --prefix-reuse --prefix-cache-mb "${PREFIX_CACHE_MB:-49152}" ${EMBEDDED_ARGS:-} >"$R/$tag.server.log" 2>&1 &
   pid=$!
-  wait_healthy "$pid" "$port" "$R/embedded_prefix.server.log" || { kill "$pid"; return 1; }
+  wait_healthy "$pid" "$port" "$R/$tag.server.log" || { kill "$pid"; return 1; }
   for s in $SETS; do
-    bench "embedded_prefix_${s}_flushed" "$s" "$port" "$pid" --cold-cache
-    bench "embedded_prefix_${s}_warm" "$s" "$port" "$pid"
+    bench "${tag}_${s}_flushed" "$s" "$port" "$pid" --cold-cache
+    bench "${tag}_${s}_warm" "$s" "$port" "$pid"
   done
-  server_info "$port" >"$R/embedded_prefix.server_info.json"
+  server_info "$port" >"$R/$tag.server_info.json"
   kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
   return 0
 }

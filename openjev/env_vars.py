@@ -69,7 +69,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("OPENJEV_CUDNN", "operator", "unset", "the embedded backend", "1 keeps cuDNN on for GPU forwards"),
     EnvVar("OPENJEV_PADDED_ATTENTION", "operator", "rowwise", "the embedded backend",
            "shared lets rows of a padded forward share attention calls where that keeps each row's own "
-           "call's bits (checked on the GPU at load; not yet run on a GPU); masked keeps Transformers' masked call"),
+           "call's bits (checked on the GPU at load; bitwise on an H100, not faster); masked keeps Transformers' "
+           "masked call"),
     EnvVar("OPENJEV_FLA_CONFIGS", "operator", "~/.cache/openjev/fla-configs/ (one file per GPU model)", "the embedded backend",
            "the file of fla's pinned Triton configurations; off turns pinning off"),
     EnvVar("OPENJEV_WARM_TOKENS", "operator", "16384", "the embedded backend", "padded tokens the start-up warm-up covers"),

@@ -11,6 +11,7 @@ CASES = [
     ([70, 5, 130, 64], None, 0, False, [3]),
     ([3, 70, 64], [64, 0, 128], 128, True, []),   # 64 + 128 = 192 tokens: one unseen zero token more
     ([1, 30, 64], [128, 64, 0], 128, False, [2]),
+    ([64, 5, 128], None, 0, True, []),   # no prefix state, calls of 65, 5 and 129 tokens: one past the tensors
 ]
 
 
@@ -26,20 +27,29 @@ def _attend(torch, layout_args, query, key, value, module, dim):
     return out, plans[0] if plans else None
 
 
-def _rows(torch, lengths, offset, heads, kv_heads, dim, dtype, device):
+def _rows(torch, lengths, offset, heads, kv_heads, dim, dtype, device, starts=None, nan_outside=False):
+    """Random queries, keys and values of a padded layout; with nan_outside, NaN wherever a row's own
+    call does not read (padding, cached keys before its prefix), as a padded forward may hold there."""
     gen = torch.Generator(device=device).manual_seed(0)
     width = max(lengths)
     query = torch.randn((len(lengths), heads, width, dim), dtype=dtype, device=device, generator=gen)
     key, value = (torch.randn((len(lengths), kv_heads, offset + width, dim), dtype=dtype, device=device, generator=gen)
                   for _ in range(2))
+    if nan_outside:
+        for j, (n, p) in enumerate(zip(lengths, starts or [0] * len(lengths))):
+            query[j, :, n:] = float("nan")
+            for x in (key, value):
+                x[j, :, : offset - p] = float("nan")
+                x[j, :, offset + n:] = float("nan")
     return query, key, value
 
 
 @pytest.mark.parametrize("lengths,starts,offset,states,alone", CASES)
 def test_rows_sharing_a_call_get_their_own_calls_output(monkeypatch, lengths, starts, offset, states, alone):
     """The shared call's plumbing on a CPU (float64, where a shared call is allowed for the test):
-    each row's queries, keys and values placed from the padded layout, its outputs put back, padding
-    positions zero; rows of a whole number of tiles keep their own call."""
+    each row's queries, keys and values placed from the padded layout (or, with no prefix state, taken
+    as they stand), its outputs put back, padding positions zero; rows of a whole number of tiles keep
+    their own call."""
     torch = pytest.importorskip("torch")
     from openjev.engine import attention
 
@@ -48,11 +58,13 @@ def test_rows_sharing_a_call_get_their_own_calls_output(monkeypatch, lengths, st
     monkeypatch.setenv("OPENJEV_PADDED_ATTENTION", "shared")
     heads, kv_heads, dim = 4, 2, 8
     module = attention._CheckModule(heads // kv_heads)
-    query, key, value = _rows(torch, lengths, offset, heads, kv_heads, dim, torch.float64, "cpu")
+    query, key, value = _rows(torch, lengths, offset, heads, kv_heads, dim, torch.float64, "cpu", starts, nan_outside=True)
     args = (lengths, starts, offset, states)
-    monkeypatch.setattr(attention, "shared_call_sms", lambda *_: 1)
+    monkeypatch.setattr(attention, "shared_calls_allowed", lambda *_: True)
     shared, plan = _attend(torch, args, query, key, value, module, dim)
     assert plan is not None and plan.batch is not None and plan.alone == alone
+    direct = offset == 0 and not any(starts or ())  # rows with no prefix state: the padded tensors as they stand
+    assert isinstance(plan.batch, attention.DirectRows if direct else attention.BatchedRows)
     monkeypatch.setenv("OPENJEV_PADDED_ATTENTION", "rowwise")  # the default: one call a row
     each, plan = _attend(torch, args, query, key, value, module, dim)
     assert plan.batch is None and plan.alone == list(range(len(lengths)))
@@ -61,21 +73,51 @@ def test_rows_sharing_a_call_get_their_own_calls_output(monkeypatch, lengths, st
         assert not shared[j, n:].any()
 
 
+@pytest.mark.parametrize("lengths,starts,offset,states,alone", [c for c in CASES if c[1]])
+def test_tail_calls_give_the_whole_rows_output(monkeypatch, lengths, starts, offset, states, alone):
+    """Rows after a prefix attending with their tail's queries alone (bottom-right causal mask), on a
+    CPU where the test allows it: the whole row's call's outputs for those queries, padding zero;
+    a state-keeping call that needs its unseen zero token keeps the whole row's call."""
+    torch = pytest.importorskip("torch")
+    from openjev.engine import attention
+
+    monkeypatch.setenv("OPENJEV_PADDED_ATTENTION", "rowwise")
+    attention.rowwise_attention()
+    heads, kv_heads, dim = 4, 2, 8
+    module = attention._CheckModule(heads // kv_heads)
+    query, key, value = _rows(torch, lengths, offset, heads, kv_heads, dim, torch.float64, "cpu", starts, nan_outside=True)
+    args = (lengths, starts, offset, states)
+    used = []
+    real = attention.attend_tail
+    monkeypatch.setattr(attention, "attend_tail", lambda *a, **k: used.append(a[0].shape[2]) or real(*a, **k))
+    monkeypatch.setattr(attention, "tail_calls_allowed", lambda *_: True)
+    tails, plan = _attend(torch, args, query, key, value, module, dim)
+    assert plan.tail
+    monkeypatch.setattr(attention, "tail_calls_allowed", lambda *_: False)
+    whole, plan = _attend(torch, args, query, key, value, module, dim)
+    assert not plan.tail
+    want = [n for n, p in zip(lengths, starts) if p and attention.call_length(p, n, states) == p + n]
+    assert sorted(used) == sorted(want) and want
+    torch.testing.assert_close(tails, whole, rtol=0, atol=1e-12)
+    for j, n in enumerate(lengths):
+        assert not tails[j, n:].any()
+
+
 def test_no_shared_calls_on_a_cpu():
     torch = pytest.importorskip("torch")
     from transformers import AutoConfig
 
-    from openjev.engine.attention import check_batching
+    from openjev.engine.attention import check_batching, check_tail_calls
 
     cfg = AutoConfig.for_model("qwen3_5_text", num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_size=64)
     assert check_batching(cfg, "cpu", torch.float32) is None
+    assert check_tail_calls(cfg, "cpu", torch.float32) is None
 
 
 @pytest.mark.gpu
 def test_rows_sharing_a_call_on_a_gpu_are_bitwise_their_own_calls():
-    """At Qwen3.5-4B's attention shape (16 query / 4 key-value heads of 256, FP16), rows long enough
-    that FlashAttention keeps their own calls whole share one call and keep their bits; shorter rows
-    and rows of whole tiles keep their own calls."""
+    """At Qwen3.5-4B's attention shape (16 query / 4 key-value heads of 256, FP16), rows that share one
+    call keep their own calls' bits; rows of whole tiles keep their own calls."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device: FlashAttention is a GPU kernel")
@@ -85,10 +127,12 @@ def test_rows_sharing_a_call_on_a_gpu_are_bitwise_their_own_calls():
     heads, kv_heads, dim = 16, 4, 256
     module = attention._CheckModule(heads // kv_heads)
     cases = [([900, 1217, 300, 1024, 1500], None, 0, False),
+             ([64, 37, 1280, 130], None, 0, True),
              ([37, 300, 1, 64], [1280, 640, 896, 1408], 1408, True),
              ([37, 300, 1, 700], [1280, 640, 896, 0], 1280, False)]
     for lengths, starts, offset, states in cases:
-        query, key, value = _rows(torch, lengths, offset, heads, kv_heads, dim, torch.float16, "cuda")
+        query, key, value = _rows(torch, lengths, offset, heads, kv_heads, dim, torch.float16, "cuda", starts,
+                                  nan_outside=True)
         args = (lengths, starts, offset, states)
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("OPENJEV_PADDED_ATTENTION", "shared")
@@ -98,3 +142,32 @@ def test_rows_sharing_a_call_on_a_gpu_are_bitwise_their_own_calls():
         assert plan.batch is None
         for j, n in enumerate(lengths):
             assert torch.equal(shared[j, :n], each[j, :n]), (args, j, float((shared[j, :n] - each[j, :n]).abs().max()))
+
+
+@pytest.mark.gpu
+def test_tail_calls_on_a_gpu_are_bitwise_where_the_check_allows():
+    """At Qwen3.5-4B's attention shape in FP16: where the device check lets rows after a prefix attend
+    with their tail's queries alone, each row gets the whole row's call's bits."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: FlashAttention is a GPU kernel")
+    from openjev.engine import attention
+
+    attention.rowwise_attention()
+    heads, kv_heads, dim = 16, 4, 256
+    probe = torch.empty((1, heads, 1, dim), device="cuda", dtype=torch.float16)
+    if not attention.tail_calls_are_exact(probe, kv_heads, attention._INNER[0]):
+        pytest.skip("the device check found tail-only calls not bitwise here, so the whole row's call runs")
+    module = attention._CheckModule(heads // kv_heads)
+    for lengths, starts, offset, states in [([37, 300, 1, 64], [1280, 640, 896, 1408], 1408, False),
+                                            ([37, 3, 700], [1280, 64, 0], 1280, True)]:
+        query, key, value = _rows(torch, lengths, offset, heads, kv_heads, dim, torch.float16, "cuda", starts,
+                                  nan_outside=True)
+        args = (lengths, starts, offset, states)
+        tails, plan = _attend(torch, args, query, key, value, module, dim)
+        assert plan.tail
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(attention, "tail_calls_allowed", lambda *_: False)
+            whole, _ = _attend(torch, args, query, key, value, module, dim)
+        for j, n in enumerate(lengths):
+            assert torch.equal(tails[j, :n], whole[j, :n]), (args, j, float((tails[j, :n] - whole[j, :n]).abs().max()))

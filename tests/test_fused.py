@@ -71,6 +71,8 @@ def test_pieces_are_used_only_where_bitwise_and_keep_the_logits(tiny_model):
     # falls back to x*x + torch.mean (or keeps it for a width that is not a multiple of 128)
     assert rec["pieces"]["rms_norm"]["variance"].startswith("x*x, then torch.mean"), rec["pieces"]["rms_norm"]
     assert out["conv_wrapped"] == rec["pieces"]["conv_silu"]["used"]
+    cached = rec["pieces"]["conv_silu"]["cached_layout"]  # the layout of a forward from a prefix state, checked apart
+    assert cached["used"] == (cached["bitwise_on_check"] and rec["pieces"]["conv_silu"]["used"]), cached
     assert out["exact_equal"] and out["padded_equal"], "a model with the used pieces changed its logits"
     assert out["wrong"]["used"] is False and "not bitwise equal" in out["wrong"]["reason"]
 
@@ -102,6 +104,24 @@ conv = torch.nn.functional.conv1d(x.transpose(1, 2).float(), cw.float().unsqueez
 got = _fused.conv_silu_blc(x.contiguous(), cw)
 want = silu(conv.transpose(1, 2).half().float()).half()
 assert (got.float() - want.float()).abs().max() <= 2e-3 * want.float().abs().max(), "conv+silu off"
+# a [B, C, K - 1 + L] input, as a forward from a cached state concatenates it: the tiled strided
+# kernel, bitwise the contiguous kernel on the same values
+xb = (torch.randn(3, 96, 53, generator=g) * 3).half()
+assert torch.equal(_fused.conv_silu_blc(xb.transpose(1, 2), cw), _fused.conv_silu_blc(xb.transpose(1, 2).contiguous(), cw))
+# the wrapper the GDN forward calls takes each layout to the fused kernel where that layout's check
+# passed (the uncached one alone: the cached input goes to Transformers' function)
+fell_back = []
+def original(hidden, *_a, **_k):
+    fell_back.append(tuple(hidden.shape))
+    return hidden
+wrap = _fused.make_conv_wrapper(original)
+_fused._CONV_WEIGHTS.add(cw.data_ptr())
+assert wrap(xb, cw, None, activation="silu") is xb and fell_back == [tuple(xb.shape)]
+_fused._CONV_CACHED_WEIGHTS.add(cw.data_ptr())
+for inp in (x.transpose(1, 2), xb):
+    got = wrap(inp, cw, None, activation="silu")
+    assert got.shape == inp.shape and torch.equal(got.transpose(1, 2), _fused.conv_silu_blc(inp.transpose(1, 2).contiguous(), cw))
+assert len(fell_back) == 1
 # mean_square: PyTorch's CUDA summation order, written out in numpy float32 (lane t, accumulators
 # a_i over j of elements 4t+i+128j; ((a0+a1)+a2)+a3; lane t+16 added to lane t, then t+8, ..., t+1;
 # times float32(1/N))

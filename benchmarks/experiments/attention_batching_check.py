@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Can rows of different lengths share one causal attention call and keep each row's own bits?
 
-The embedded backend attends row by row (openjev/engine/classifier.py rowwise_attention) because its
+The embedded backend attends row by row (openjev/engine/attention.py rowwise_attention) because its
 logits must be the unpadded forward's bit for bit, and a padded forward's attention is a host cost a
 row and layer. This checks, on a CUDA GPU, Transformers' SDPA call (FlashAttention, causal, GQA) at
 Qwen3.5-4B's attention shape (16 query / 4 key-value heads of 256) for each row of a set of lengths:
@@ -13,8 +13,18 @@ Qwen3.5-4B's attention shape (16 query / 4 key-value heads of 256) for each row 
                longest of them (not a multiple of 64 either)
   padded_long_even  the same rows padded to the next multiple of 64 (FlashAttention's whole-tiles variant)
 
+and, for the queries after a prefix of a multiple of 64 tokens (a warm pass of prefix reuse runs only
+those; today it runs the whole row's call with the prefix's queries zeroed), against the same
+queries of `alone`:
+
+  tail_lower_right  the tail's queries alone over the row's keys, causal aligned to the bottom right
+                    (SDPA with torch.nn.attention.bias.causal_lower_right, FlashAttention forced)
+  tail_varlen       every row's tail in one varlen FlashAttention call (torch.nn.attention.varlen),
+                    one split of the keys where the call takes num_splits
+
 and prints, per variant, which rows are bitwise equal to `alone` (and the largest difference), then the
-time of the per-row loop against one padded call. Output: one JSON object (--out, else stdout).
+time of the per-row loop against one padded call, and of the whole rows' calls against the tails'.
+Output: one JSON object (--out, else stdout).
 """
 
 from __future__ import annotations
@@ -65,6 +75,56 @@ def compare(reference, got) -> dict:
     return {"bitwise": bool(torch.equal(reference, got)), "max_abs_diff": diff}
 
 
+def tail_cases(lengths: list[int]) -> list[tuple[int, int]]:
+    """(row, prefix) pairs: each row after its last 64-token boundary, and after about half of it."""
+    cases = []
+    for i, n in enumerate(lengths):
+        for p in sorted({(n - 1) // 64 * 64, n // 2 // 64 * 64}):
+            if 0 < p < n:
+                cases.append((i, p))
+    return cases
+
+
+def tail_lower_right(q, k, v, prefix: int):
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    n = k.shape[2]
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, prefix:], k, v, attn_mask=causal_lower_right(n - prefix, n), scale=q.shape[-1] ** -0.5,
+            enable_gqa=True)
+    return out.transpose(1, 2)[0]  # [T - prefix, heads, dim]
+
+
+def tail_varlen(rows, cases):
+    """Every case's tail queries in one varlen call; the outputs split back by case."""
+    import inspect
+
+    import torch
+    from torch.nn.attention.varlen import varlen_attn
+
+    qs = [rows[i][0][0, :, p:].transpose(0, 1) for i, p in cases]  # [T - p, heads, dim]
+    ks = [rows[i][1][0].transpose(0, 1) for i, _ in cases]
+    vs = [rows[i][2][0].transpose(0, 1) for i, _ in cases]
+    dev = qs[0].device
+
+    def cu(parts):
+        return torch.tensor([0] + [x.shape[0] for x in parts], device=dev, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+    params = inspect.signature(varlen_attn).parameters
+    kw = {"scale": qs[0].shape[-1] ** -0.5}
+    kw.update({"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)})
+    if "enable_gqa" in params:
+        kw["enable_gqa"] = True
+    if "num_splits" in params:
+        kw["num_splits"] = 1
+    out = varlen_attn(torch.cat(qs), torch.cat(ks), torch.cat(vs), cu(qs), cu(ks), max(x.shape[0] for x in qs),
+                      max(x.shape[0] for x in ks), **kw)
+    return list(out.split([x.shape[0] for x in qs])), {k: str(v) for k, v in kw.items()}
+
+
 def timed(fn, repeats: int) -> float:
     import torch
 
@@ -111,6 +171,21 @@ def main(args: argparse.Namespace) -> int:
         width = -(-max(lengths[i] for i in long_rows) // 64) * 64
         report["variants"]["padded_long_even"] = batched(long_rows, width)
 
+    cases = tail_cases(lengths)
+    lower = {}
+    for i, p in cases:
+        try:
+            lower[f"{lengths[i]}@{p}"] = compare(alone[i][p:], tail_lower_right(*rows[i], p))
+        except Exception as exc:  # noqa: BLE001 - a variant this torch build does not run is a finding
+            lower[f"{lengths[i]}@{p}"] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
+    report["variants"]["tail_lower_right"] = lower
+    try:
+        outs, report["tail_varlen_call"] = tail_varlen(rows, cases)
+        report["variants"]["tail_varlen"] = {f"{lengths[i]}@{p}": compare(alone[i][p:], o)
+                                             for (i, p), o in zip(cases, outs)}
+    except Exception as exc:  # noqa: BLE001
+        report["variants"]["tail_varlen"] = {"call": {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}}
+
     def loop():
         for r in rows:
             sdpa(*r)
@@ -118,15 +193,28 @@ def main(args: argparse.Namespace) -> int:
     def one_call():
         sdpa(*padded(rows))
 
+    last = [(i, p) for i, p in cases if p == (lengths[i] - 1) // 64 * 64]  # the warm pass's tails
+
+    def tails_alone():
+        for i, p in last:
+            tail_lower_right(*rows[i], p)
+
     report["seconds"] = {"per_row_loop": timed(loop, args.repeats), "one_padded_call": timed(one_call, args.repeats)}
+    for name, fn in (("tails_lower_right_loop", tails_alone), ("tails_varlen_call", lambda: tail_varlen(rows, last))):
+        try:
+            report["seconds"][name] = timed(fn, args.repeats)
+        except Exception:  # noqa: BLE001 - recorded above as the variant's error
+            report["seconds"][name] = None
     for name, res in report["variants"].items():
         items = res if isinstance(res, list) else list(res.values())
         keys = lengths if isinstance(res, list) else list(res)
-        same = [n for n, r in zip(keys, items) if r["bitwise"]]
-        print(f"{name}: bitwise for {len(same)}/{len(items)} rows {same}; "
-              f"max diff {max((r['max_abs_diff'] for r in items), default=0):.3g}", file=sys.stderr)
-    print(f"per-row loop {report['seconds']['per_row_loop'] * 1e3:.2f} ms, one padded call "
-          f"{report['seconds']['one_padded_call'] * 1e3:.2f} ms", file=sys.stderr)
+        same = [n for n, r in zip(keys, items) if r.get("bitwise")]
+        errors = sorted({r["error"] for r in items if "error" in r})
+        print(f"{name}: bitwise for {len(same)}/{len(items)} rows {same}; max diff "
+              f"{max((r['max_abs_diff'] for r in items if 'max_abs_diff' in r), default=0):.3g}"
+              + (f"; errors {errors}" if errors else ""), file=sys.stderr)
+    print("seconds: " + ", ".join(f"{k} {v * 1e3:.2f} ms" if v is not None else f"{k} n/a"
+                                  for k, v in report["seconds"].items()), file=sys.stderr)
     text = json.dumps(report, indent=1)
     if args.out:
         with open(args.out, "w") as fh:

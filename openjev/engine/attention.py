@@ -4,23 +4,26 @@ A right-padded forward (classifier.padded_logits, prefix.ContinuationForwards) d
 (`padded_layout`); Transformers' "sdpa" attention function, wrapped once (`rowwise_attention`), then
 gives every row the output of the call an unpadded forward of that row makes: causal, no mask,
 FlashAttention on a GPU. A row that goes on from a prefix state runs the whole row's call with the
-prefix's queries zeroed (`attend_after_prefix`).
+prefix's queries zeroed (`attend_after_prefix`), or, where a check at load found it bitwise that
+call on the device, its tail's queries alone with the causal mask aligned to the bottom right
+(`attend_tail`; not yet run on a GPU).
 
-With OPENJEV_PADDED_ATTENTION=shared (opt-in: not yet run on a GPU), rows whose own call
-FlashAttention does not split (PyTorch's FA2 splits a call's keys when batch x heads x 64-query blocks
-stays under 0.8 x twice the SM count) and whose call length is not a multiple of 64 (the kernel's
-whole-tiles variant rounds differently) share one call, padded with zeros to the longest: each query
-block then reads the same key blocks in the same order as in its own call. That is checked once per
-device against separate calls (`batched_rows_are_exact`); where it fails, or on a CPU, every row gets
-its own call.
+With OPENJEV_PADDED_ATTENTION=shared (opt-in), rows whose call length is not a multiple of 64 (the
+kernel's whole-tiles variant rounds differently) share one call, padded with zeros to the longest:
+each query block then reads the same key blocks in the same order as in its own call (measured on
+the H200 for rows of 130 to 1601 tokens, benchmarks/experiments/attention_batching_check.py). Rows
+with no prefix state run as the padded forward holds them (`DirectRows`, no gather); rows that go on
+from prefix states are gathered into place (`BatchedRows`). That rows keep their bits is checked once
+per device against separate calls (`batched_rows_are_exact`); where it fails, or on a CPU, every row
+gets its own call.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
-import math
 from dataclasses import dataclass, field
 
 from openjev.engine.transfer import to_device
@@ -30,9 +33,9 @@ log = logging.getLogger("openjev.attention")
 # FlashAttention's query and key blocks for the model's head size (256) on SM80/SM90; prefix states
 # sit on multiples of it (openjev/engine/prefix.py GDN_CHUNK).
 FLASH_QUERY_TILE = 64
-# PyTorch's FA2 keeps a call whole (no split of its keys) from this many (batch x heads x 64-query
-# blocks) per SM: 0.8 of its 2 x SMs.
-FLASH_WHOLE_CALL_PER_SM = 1.6
+# Row lengths the device check of shared calls runs (none a multiple of 64): short rows, whose own
+# calls FlashAttention may split along the keys, and rows past the longest of the sets.
+CHECK_LENGTHS = (37, 130, 300, 700, 1100, 1601)
 
 
 @dataclass(frozen=True)
@@ -114,18 +117,20 @@ def rowwise_attention() -> str:
         starts = layout.starts or (0,) * len(layout.lengths)
         out = query.new_zeros((query.shape[0], query.shape[2], query.shape[1], value.shape[-1]))
         plan = _plan(layout, query, key.shape[1], inner)
-        alone = plan.alone
+        if plan.batch is not None:  # first: a direct call writes every row, the rows alone then their own
+            plan.batch.attend(inner, module, query, key, value, out, **kwargs)
         odd = layout.per_row_states  # a state-keeping forward stops on a 64-token boundary inside the row
-        for j in alone:
+        for j in plan.alone:
             n, p = layout.lengths[j], starts[j]
             q, k, v = query[j:j + 1, :, :n], key[j:j + 1, :, off - p: off + n], value[j:j + 1, :, off - p: off + n]
-            if call_length(p, n, odd) == n:  # the row's own unpadded call
+            length = call_length(p, n, odd)
+            if length == n:  # the row's own unpadded call
                 row = inner(module, q, k, v, None, **kwargs)[0]
+            elif plan.tail and length == p + n:  # the tail's queries alone, where checked bitwise
+                row = attend_tail(q, k, v, **kwargs)
             else:
                 row = attend_after_prefix(inner, module, q, k, v, p, keep_odd=odd, **kwargs)
             out[j:j + 1, :n] = row
-        if plan is not None and plan.batch is not None:
-            plan.batch.attend(inner, module, query, key, value, out, **kwargs)
         return out, None
 
     sdpa_rowwise._openjev_rowwise = True
@@ -154,10 +159,62 @@ def attend_after_prefix(inner, module, query, key, value, prefix: int, keep_odd:
     return inner(module, queries, key, value, None, **kwargs)[0][:, prefix:total]
 
 
+def attend_tail(query, key, value, **kwargs):
+    """One row's n queries after a prefix over the prefix's keys and its own, in [1, n, heads, dim]:
+    FlashAttention with the causal mask aligned to the bottom right (the last query sees every key),
+    so the prefix's queries are not computed. Used only where tail_calls_are_exact found it bitwise
+    the whole row's call."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=causal_lower_right(query.shape[2], key.shape[2]),
+            scale=kwargs.get("scaling"), enable_gqa=True)
+    return out.transpose(1, 2)
+
+
 @dataclass
 class RowPlan:
     alone: list          # rows that get their own call
-    batch: "BatchedRows | None"
+    batch: "BatchedRows | DirectRows | None"
+    tail: bool = False   # rows after a prefix attend with their tail's queries alone (attend_tail)
+
+
+@dataclass
+class DirectRows:
+    """Every row of a forward with no prefix state in one call of the padded tensors as they stand,
+    `width` wide (the longest shared call: one zero token past a row where a state-keeping call needs
+    it); values past each row's tokens zeroed, padding outputs zero. Rows that keep their own
+    call are written over afterwards."""
+
+    width: int
+    real: object   # [rows, width] bool: a real token of the row
+
+    @classmethod
+    def build(cls, layout: PaddedLayout, rows: list[int], device) -> "DirectRows":
+        import torch
+
+        calls = layout.call_lengths()
+        width = max(calls[j] for j in rows)
+        real = torch.arange(width)[None, :] < torch.tensor(layout.lengths)[:, None]
+        return cls(width, to_device(real, device))
+
+    def attend(self, inner, module, query, key, value, out, **kwargs) -> None:
+        import torch
+
+        w = self.width
+        if w > query.shape[2]:  # one unseen zero token past the tensors
+            grow = (0, 0, 0, w - query.shape[2])
+            query, key, value = (torch.nn.functional.pad(x, grow) for x in (query, key, value))
+        pad = ~self.real
+        # no real query sees a key past its row (causal), but a value there is multiplied by 0, and a
+        # padding position's value need not be finite
+        v = value[:, :, :w].masked_fill(pad[:, None, :, None], 0)
+        res = inner(module, query[:, :, :w], key[:, :, :w], v, None, **kwargs)[0]  # [rows, w, heads, dim]
+        n = min(w, out.shape[1])
+        out[:, :n] = res[:, :n].masked_fill(pad[:, :n, None, None], 0)
 
 
 @dataclass
@@ -218,30 +275,34 @@ def _plan(layout: PaddedLayout, query, kv_heads: int, inner) -> RowPlan:
     from openjev.engine.kernels import padded_attention_mode
 
     rows = list(range(len(layout.lengths)))
-    sms = shared_call_sms(query, kv_heads, inner) if len(rows) > 1 and padded_attention_mode() == "shared" else None
-    batched = [] if sms is None else [
-        j for j, c in enumerate(layout.call_lengths())
-        if c % FLASH_QUERY_TILE and query.shape[1] * math.ceil(c / FLASH_QUERY_TILE) >= FLASH_WHOLE_CALL_PER_SM * sms]
+    may_share = len(rows) > 1 and padded_attention_mode() == "shared" and shared_calls_allowed(query, kv_heads, inner)
+    batched = [j for j, c in enumerate(layout.call_lengths()) if c % FLASH_QUERY_TILE] if may_share else []
     if len(batched) < 2:
         batched = []
     shared = set(batched)
     alone = [j for j in rows if j not in shared]
-    plan = RowPlan(alone, BatchedRows.build(layout, batched, query.shape[2], query.device) if batched else None)
+    batch = None
+    if batched and layout.offset == 0 and not any(layout.starts or ()):
+        batch = DirectRows.build(layout, batched, query.device)
+    elif batched:
+        batch = BatchedRows.build(layout, batched, query.shape[2], query.device)
+    tail = any(layout.starts or ()) and tail_calls_allowed(query, kv_heads, inner)
+    plan = RowPlan(alone, batch, tail)
     layout.plans[key] = plan
     return plan
 
 
-def shared_call_sms(query, kv_heads: int, inner) -> int | None:
-    """The SM count that decides which rows' own calls FlashAttention keeps whole, where rows may
-    share calls on this device (checked, see batched_rows_are_exact); None where they may not."""
-    if not query.is_cuda or not batched_rows_are_exact(query, kv_heads, inner):
-        return None
-    import torch
-
-    return torch.cuda.get_device_properties(query.device).multi_processor_count
+def tail_calls_allowed(query, kv_heads: int, inner) -> bool:
+    """Whether rows after a prefix may attend with their tail's queries alone on this device (checked,
+    see tail_calls_are_exact)."""
+    return bool(query.is_cuda) and tail_calls_are_exact(query, kv_heads, inner)
 
 
-_EXACT: dict = {}
+def shared_calls_allowed(query, kv_heads: int, inner) -> bool:
+    """Whether rows may share attention calls on this device (checked, see batched_rows_are_exact)."""
+    return bool(query.is_cuda) and batched_rows_are_exact(query, kv_heads, inner)
+
+
 _INNER: list = []  # Transformers' own SDPA function, once wrapped
 
 
@@ -249,36 +310,59 @@ def check_batching(text_config, device, dtype) -> bool | None:
     """At load: whether padded forwards on `device` may share attention calls between rows (the
     check of batched_rows_are_exact, on the model's head shape); None where it does not apply (a CPU,
     OPENJEV_PADDED_ATTENTION other than shared)."""
-    import torch
-
     from openjev.engine.kernels import padded_attention_mode
 
     if not str(device).startswith("cuda") or padded_attention_mode() != "shared" or not _INNER:
         return None
-    heads, kv_heads = text_config.num_attention_heads, text_config.num_key_value_heads
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
-    probe = torch.empty((1, heads, 1, head_dim), device=device, dtype=dtype)
-    return batched_rows_are_exact(probe, kv_heads, _INNER[0])
+    return batched_rows_are_exact(*_head_probe(text_config, device, dtype), _INNER[0])
 
 
-def batched_rows_are_exact(query, kv_heads, inner) -> bool:
-    """Whether, on this device, rows sharing one zero-padded call get their own calls' bits: checked
-    once per (device, dtype, heads, head size) on random rows whose calls FlashAttention keeps whole."""
+def _head_probe(text_config, device, dtype):
+    """An empty [1, heads, 1, head size] query of the model's attention shape, and its key-value heads."""
     import torch
 
-    key = (str(query.device), query.dtype, query.shape[1], kv_heads, query.shape[3])
-    if key in _EXACT:
-        return _EXACT[key]
-    sms = torch.cuda.get_device_properties(query.device).multi_processor_count
-    first = math.ceil(FLASH_WHOLE_CALL_PER_SM * sms / query.shape[1]) * FLASH_QUERY_TILE - 37
-    lengths = [first, first + 100, first + 301]
+    heads = text_config.num_attention_heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+    return torch.empty((1, heads, 1, head_dim), device=device, dtype=dtype), text_config.num_key_value_heads
+
+
+def once_per_shape(check):
+    """`check(query, kv_heads, inner)` run once per (device, dtype, heads, key-value heads, head size),
+    its answer kept for the process."""
+    answers: dict = {}
+
+    @functools.wraps(check)
+    def cached(query, kv_heads, inner) -> bool:
+        key = (str(query.device), query.dtype, query.shape[1], kv_heads, query.shape[3])
+        if key not in answers:
+            answers[key] = check(query, kv_heads, inner)
+        return answers[key]
+
+    return cached
+
+
+def _random_rows(query, kv_heads: int, lengths) -> list:
+    """(query, key, value) of random [1, heads, n, head size] rows of each length, in query's device
+    and dtype, from one seeded generator."""
+    import torch
+
     gen = torch.Generator(device=query.device).manual_seed(0)
 
     def rand(heads, n):
         return torch.randn((1, heads, n, query.shape[3]), device=query.device, dtype=query.dtype, generator=gen)
 
+    return [(rand(query.shape[1], n), rand(kv_heads, n), rand(kv_heads, n)) for n in lengths]
+
+
+@once_per_shape
+def batched_rows_are_exact(query, kv_heads, inner) -> bool:
+    """Whether, on this device, rows sharing one zero-padded call get their own calls' bits: checked
+    on random rows of CHECK_LENGTHS tokens."""
+    import torch
+
+    lengths = list(CHECK_LENGTHS)
     module = _CheckModule(query.shape[1] // kv_heads)
-    rows = [(rand(query.shape[1], n), rand(kv_heads, n), rand(kv_heads, n)) for n in lengths]
+    rows = _random_rows(query, kv_heads, lengths)
     width = max(lengths)
 
     def pad(x):
@@ -292,7 +376,42 @@ def batched_rows_are_exact(query, kv_heads, inner) -> bool:
     if not ok:
         log.warning("rows sharing one padded attention call do not get their own calls' bits on %s: "
                     "one call a row", torch.cuda.get_device_name(query.device))
-    _EXACT[key] = ok
+    return ok
+
+
+# (row length, prefix) pairs of the tail check: prefixes on 64-token boundaries, tails of 1 to 64
+# tokens (a warm pass) and longer ones
+TAIL_CHECK_CASES = ((130, 64), (130, 128), (700, 640), (1100, 512), (1601, 1536), (1601, 64))
+
+
+def check_tail_calls(text_config, device, dtype) -> bool | None:
+    """At load: whether forwards from prefix states on `device` may attend with the tail's queries
+    alone (tail_calls_are_exact on the model's head shape); None on a CPU."""
+    if not str(device).startswith("cuda") or not _INNER:
+        return None
+    return tail_calls_are_exact(*_head_probe(text_config, device, dtype), _INNER[0])
+
+
+@once_per_shape
+def tail_calls_are_exact(query, kv_heads, inner) -> bool:
+    """Whether, on this device, attend_tail gives the tail queries' outputs of the whole row's call
+    bit for bit: checked on random rows of TAIL_CHECK_CASES."""
+    import torch
+
+    module = _CheckModule(query.shape[1] // kv_heads)
+    scaling = query.shape[3] ** -0.5
+    ok = True
+    try:
+        with torch.inference_mode():
+            rows = _random_rows(query, kv_heads, [n for n, _ in TAIL_CHECK_CASES])
+            for (q, k, v), (_, p) in zip(rows, TAIL_CHECK_CASES):
+                whole = inner(module, q, k, v, None, scaling=scaling)[0]
+                ok = ok and torch.equal(whole[:, p:], attend_tail(q[:, :, p:], k, v, scaling=scaling))
+    except Exception as exc:  # noqa: BLE001 - no FlashAttention (or no bottom-right mask) for this device
+        log.info("tail-only attention calls not available: %s", str(exc).splitlines()[0] if str(exc) else exc)
+        ok = False
+    if not ok:
+        log.info("tail-only attention calls are not the whole row's bits here: the prefix's queries run too")
     return ok
 
 

@@ -159,6 +159,29 @@ if triton is not None:
         tl.store(Y + bt * channels + c, _silu_f32(y).to(Y.dtype.element_ty), mask=cm)
 
 
+    @triton.jit
+    def _conv_silu_strided_kernel(X, W, Y, length, channels, sxb, sxt, sxc, K: tl.constexpr,
+                                  BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+        # _conv_silu_kernel's arithmetic on a [BLOCK_T, BLOCK_C] tile of an X of any strides (the
+        # [batch, channels, length] tensor a cached forward concatenates); Y [batch, length, channels]
+        tiles = tl.cdiv(length, BLOCK_T)
+        b = (tl.program_id(0) // tiles).to(tl.int64)
+        t = (tl.program_id(0) % tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        tm, cm = t < length, c < channels
+        acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        for k in tl.static_range(K):
+            src = t - (K - 1 - k)
+            ok = (tm & (src >= 0))[:, None] & cm[None, :]
+            x = tl.load(X + b * sxb + src[:, None].to(tl.int64) * sxt + c[None, :].to(tl.int64) * sxc,
+                        mask=ok, other=0.0).to(tl.float32)
+            w = tl.load(W + c * K + k, mask=cm, other=0.0).to(tl.float32)
+            acc = tl.fma(w[None, :], x, acc)
+        y = acc.to(Y.dtype.element_ty).to(tl.float32)
+        out = (b * length + t[:, None].to(tl.int64)) * channels + c[None, :]
+        tl.store(Y + out, _silu_f32(y).to(Y.dtype.element_ty), mask=tm[:, None] & cm[None, :])
+
+
 def _grid(n: int):
     return (triton.cdiv(n, BLOCK),)
 
@@ -219,22 +242,28 @@ def swiglu(g, u):
 
 
 def conv_silu_blc(x, w):
-    """x [B, L, C] contiguous, w [C, K] -> silu(causal depthwise conv) as [B, L, C]."""
+    """x [B, L, C] (any strides), w [C, K] -> silu(causal depthwise conv) as [B, L, C] contiguous."""
     import torch
 
     b, length, channels = x.shape
-    y = torch.empty_like(x)
-    block_c = 256
-    _conv_silu_kernel[(b * length, triton.cdiv(channels, block_c))](
-        x, w.contiguous(), y, length, channels, K=w.shape[-1], BLOCK_C=block_c)
+    y = torch.empty((b, length, channels), dtype=x.dtype, device=x.device)
+    if x.is_contiguous():
+        block_c = 256
+        _conv_silu_kernel[(b * length, triton.cdiv(channels, block_c))](
+            x, w.contiguous(), y, length, channels, K=w.shape[-1], BLOCK_C=block_c)
+        return y
+    block_t, block_c = 32, 64
+    _conv_silu_strided_kernel[(b * triton.cdiv(length, block_t), triton.cdiv(channels, block_c))](
+        x, w.contiguous(), y, length, channels, *x.stride(), K=w.shape[-1], BLOCK_T=block_t, BLOCK_C=block_c)
     return y
 
 
 # ---------------------------------------------------------------- module forwards
-def _lowp(x) -> bool:
+def _lowp(x, contiguous: bool = True) -> bool:
     import torch
 
-    return x.dtype in (torch.float16, torch.bfloat16) and (x.is_cuda or INTERPRET) and x.is_contiguous()
+    return (x.dtype in (torch.float16, torch.bfloat16) and (x.is_cuda or INTERPRET)
+            and (x.is_contiguous() or not contiguous))
 
 
 # per norm piece: whether its variance is summed by mean_square (one pass; set by the start-up
@@ -283,19 +312,22 @@ def swiglu_forward(m, x):
 
 
 _CONV_WEIGHTS: set[int] = set()  # data_ptr of the conv weights whose module passed its check
+_CONV_CACHED_WEIGHTS: set[int] = set()  # ... and also its check on the cached [B, C, L] layout
 
 
 def make_conv_wrapper(original):
     """A stand-in for the modeling module's causal_conv1d_fn: fused for the registered GDN conv
-    weights when the input is the transposed view of a contiguous [B, L, C] projection (as the
-    GDN forward passes it), Transformers' function otherwise. Returns [B, C, L] as a transposed
-    view of a contiguous [B, L, C] tensor, so the GDN forward's transpose back is contiguous."""
+    weights, whether the input is the transposed view of a contiguous [B, L, C] projection (as the
+    GDN forward passes it without a cache) or a contiguous [B, C, L] tensor (the cached inputs and
+    the new ones concatenated, as a forward from a prefix state passes it), each layout where its
+    check passed; Transformers' function otherwise. Returns [B, C, L] as a transposed view of a
+    contiguous [B, L, C] tensor, so the GDN forward's transpose back is contiguous."""
 
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
         blc = hidden_states.transpose(1, 2)
-        if (weight.data_ptr() in _CONV_WEIGHTS and bias is None and activation == "silu"
-                and hidden_states.dim() == 3 and blc.is_contiguous() and _lowp(blc)
-                and weight.dtype == hidden_states.dtype):
+        checked = _CONV_WEIGHTS if blc.is_contiguous() else _CONV_CACHED_WEIGHTS
+        if (weight.data_ptr() in checked and bias is None and activation == "silu"
+                and hidden_states.dim() == 3 and _lowp(blc, contiguous=False) and weight.dtype == hidden_states.dtype):
             return conv_silu_blc(blc, weight).transpose(1, 2)
         return original(hidden_states, weight, bias, activation=activation, **kwargs)
 
@@ -396,17 +428,33 @@ def _check_piece(piece: str, model, modeling, device, dtype) -> dict:
             return {"used": False, "reason": "no GatedDeltaNet module or no causal_conv1d_fn in its module"}
         original = getattr(original, "__wrapped__", original) if getattr(original, "_openjev_fused", False) else original
         w = m.conv1d.weight.squeeze(1)
+        # as the GDN forward passes its input: the projection's transposed view, and with a cache the
+        # cached inputs concatenated with it ([B, C, K - 1 + L] contiguous), each layout checked apart
         ins = [(rnd(b, t, w.shape[0], scale=2.0).transpose(1, 2),) for b, t in CHECK_SHAPES]
+        cached_ins = [(rnd(b, w.shape[0], w.shape[1] - 1 + t, scale=2.0),) for b, t in CHECK_SHAPES]
         wrapper = make_conv_wrapper(original)
         _CONV_WEIGHTS.add(w.data_ptr())
+        _CONV_CACHED_WEIGHTS.add(w.data_ptr())
+        def want(x):
+            return original(x, w, None, activation="silu")
+
+        def got(x):
+            return wrapper(x, w, None, activation="silu")
+
         try:
-            same, worst = _equal_on(lambda x: original(x, w, None, activation="silu"),
-                                    lambda x: wrapper(x, w, None, activation="silu"), ins)
+            same, worst = _equal_on(want, got, ins)
+            cached_same, cached_worst = _equal_on(want, got, cached_ins)
         finally:
             _CONV_WEIGHTS.discard(w.data_ptr())
+            _CONV_CACHED_WEIGHTS.discard(w.data_ptr())
+        cached = {"used": same and cached_same, "bitwise_on_check": cached_same}
+        if not cached_same:
+            cached["max_abs_diff"] = cached_worst
     else:
         raise ValueError(piece)
     out = {"used": same, "bitwise_on_check": same, "check_shapes": [list(s) for s in CHECK_SHAPES]}
+    if piece == "conv_silu":
+        out["cached_layout"] = cached  # the input of a forward from a prefix state (--prefix-reuse)
     if variance is not None and same:
         out["variance"] = variance
     if not same:
@@ -447,7 +495,8 @@ def apply_fused(model, device: str, mode: str | None = None) -> dict:
             except Exception as exc:  # noqa: BLE001 - a kernel that does not compile or run here
                 record["pieces"][piece] = {"used": False, "reason": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
     record["check_seconds"] = round(time.perf_counter() - t0, 3)
-    counts = _install(model, modeling, {p for p, r in record["pieces"].items() if r["used"]})
+    counts = _install(model, modeling, {p for p, r in record["pieces"].items() if r["used"]},
+                      cached_conv=record["pieces"]["conv_silu"].get("cached_layout", {}).get("used", False))
     for piece, n in counts.items():
         record["pieces"][piece]["modules"] = n
     used = [p for p in PIECES if record["pieces"][p]["used"]]
@@ -465,7 +514,7 @@ def _remember(model, record: dict) -> dict:
     return record
 
 
-def _install(model, modeling, pieces: set[str]) -> dict:
+def _install(model, modeling, pieces: set[str], cached_conv: bool = False) -> dict:
     import functools
 
     counts = {p: 0 for p in pieces}
@@ -478,6 +527,8 @@ def _install(model, modeling, pieces: set[str]) -> dict:
     if "conv_silu" in pieces:
         for m in _text_modules(model, "GatedDeltaNet"):
             _CONV_WEIGHTS.add(m.conv1d.weight.data_ptr())
+            if cached_conv:
+                _CONV_CACHED_WEIGHTS.add(m.conv1d.weight.data_ptr())
             counts["conv_silu"] += 1
         if modeling is not None and not getattr(modeling.causal_conv1d_fn, "_openjev_fused", False):
             modeling.causal_conv1d_fn = make_conv_wrapper(modeling.causal_conv1d_fn)
@@ -497,4 +548,5 @@ def remove_fused(model) -> None:
         conv = getattr(m, "conv1d", None)
         if conv is not None:
             _CONV_WEIGHTS.discard(conv.weight.data_ptr())
+            _CONV_CACHED_WEIGHTS.discard(conv.weight.data_ptr())
     model.__dict__.pop("_openjev_fused", None)

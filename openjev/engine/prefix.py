@@ -7,7 +7,8 @@ values of the P tokens. A continuation runs the unmodified model through Transfo
 object (DynamicCache of the model's config), 2-D attention mask and per-row position ids. While a
 continuation forward runs, two functions the model calls know the padded layout (see
 attention.padded_layout): attention runs row by row, the whole row's causal call with the prefix's
-queries left out (bit for bit the exact forward's attention, see attention.attend_after_prefix)
+queries left out (bit for bit the exact forward's attention, see attention.attend_after_prefix, or
+the tail's queries alone where a check at load found that bitwise, attention.attend_tail)
 and, where a row's end state is kept, the chunked gated delta rule sees the right padding as inert
 tokens (decay 1, no write), so padding never runs into a state. Arithmetic: the prefix is summed
 apart from the rest, so logits are close to the exact forward's, not bitwise (the agreement goal
@@ -45,6 +46,11 @@ GDN_CHUNK = 64
 # Rows a forward of the prefix path may hold (at least --max-running-requests): its forwards are
 # shorter than the plain path's, so fewer, wider ones keep the fixed cost of a forward down.
 PREFIX_FORWARD_ROWS = 64
+# What one more prefix-path forward costs, in padded tokens, when a phase's rows are cut into forwards
+# (batching.length_groups): its host time barely grows with its rows (on an H100, warm steps' tail
+# forwards of 22 and 32 rows took 89 and 117 ms, about 15 us a padded token more), so fewer, fuller
+# forwards win where the plain path's 1024 would cut the short tails apart.
+PREFIX_FORWARD_COST_TOKENS = 4096
 
 
 @dataclass
@@ -352,7 +358,7 @@ class PrefixEngine:
 
         def forward(phase, items, want_states):
             logits_all, states_all = [None] * len(items), [None] * len(items)
-            for idx in length_groups([len(t) for _, t in items], rows_cap):
+            for idx in length_groups([len(t) for _, t in items], rows_cap, PREFIX_FORWARD_COST_TOKENS):
                 group = [items[i] for i in idx]
                 with torch.profiler.record_function(f"openjev.prefix.{phase}"):
                     logits, states = self.forwards.run(group, want_states)
