@@ -52,7 +52,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("OPENJEV_MAX_TEXT_CHARS", "operator", "1048576", "serve_transformers.py",
            "characters of all texts of one request (--max-text-chars)"),
     EnvVar("OPENJEV_STEP_TOKEN_BUDGET", "operator", "16384", "serve_transformers.py",
-           "padded tokens of one scheduling step (--step-token-budget)"),
+           "tokens of one scheduling step (--step-token-budget)"),
     EnvVar("OPENJEV_PREFIX_CACHE_MB", "operator", "4096", "serve_transformers.py",
            "device memory for cached prefix states with --prefix-reuse (--prefix-cache-mb; 0 within a step only)"),
     EnvVar("OPENJEV_MAX_QUEUED_REQUESTS", "operator", "512", "serve_transformers.py",

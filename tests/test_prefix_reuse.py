@@ -34,6 +34,10 @@ def test_cache_finds_the_longest_cached_prefix_and_counts():
     assert cache.longest([1, 2, 3], limit=2) is None
     s = cache.stats()
     assert (s["hits"], s["misses"], s["entries"], s["bytes"], s["tokens_reused"]) == (2, 1, 3, 1200, 35)
+    # a look for the step planner counts nothing and keeps the eviction order
+    order = list(cache.entries)
+    assert (cache.cached_tokens(row, limit=39), cache.cached_tokens(row, limit=9), cache.cached_tokens([5], 0)) == (25, 0, 0)
+    assert cache.stats() == s and list(cache.entries) == order
 
 
 def test_cache_evicts_least_recently_used_within_its_budget_and_clears():
@@ -102,7 +106,12 @@ def test_prefix_path_matches_the_exact_forward_cold_and_warm(clf, budget_mb):
     assert cold.computed_tokens < total and cold.reused_tokens == total - cold.computed_tokens
     warm = engine.run_step(rows, max_rows=8)
     assert np.abs(warm.logits - ref).max() <= TOL
+    costs = [engine.step_tokens(r) for r in rows]  # what the planner counts for a row now
     if budget_mb:  # every row comes from its cached state but its tail
+        assert sum(costs) == tails(rows)
+    else:
+        assert costs == [len(r) for r in rows]
+    if budget_mb:
         assert warm.computed_tokens == tails(rows) and engine.stats()["cache"]["hits"] >= len(rows) - 3
     else:
         assert warm.computed_tokens == cold.computed_tokens and engine.stats()["cache"] is None
@@ -130,8 +139,10 @@ def test_server_with_prefix_reuse(overlay, tmp_path):
     clf = load_classifier(overlay, "cpu", "float32")
     rows = _rows(clf.vocab_size, seed=5)
     ref = score_exact(clf, rows)
+    budget = 1024  # under the set's tokens, over its tails: a warm request fits one step
+    assert tails(rows) <= budget < sum(map(len, rows))
     srv = start_server(overlay, tmp_path / "log", "--prefix-reuse", "--prefix-cache-mb", "16",
-                       "--prefix-min-tokens", "16")
+                       "--prefix-min-tokens", "16", "--step-token-budget", str(budget))
     try:
         def classify():
             r = requests.post(srv.url + "/classify", json={"input_ids": rows}, timeout=60)
@@ -148,6 +159,7 @@ def test_server_with_prefix_reuse(overlay, tmp_path):
         second = classify()
         c2 = requests.get(srv.url + "/server_info", timeout=10).json()["counters"]
         assert c2["computed_tokens"] - c1["computed_tokens"] == tails(rows)  # only the tails ran
+        assert c1["steps"] > 1 and c2["steps"] - c1["steps"] == 1  # the budget counts computed tokens
         for got in (first, second):
             assert np.abs(got - ref).max() <= TOL
         metrics = requests.get(srv.url + "/metrics", timeout=10).text

@@ -513,6 +513,17 @@ def test_plan_step_round_robin_within_the_token_budget():
     assert engine_scheduler.plan_step([cancelled], 100) == []
 
 
+def test_plan_step_counts_what_each_row_costs():
+    """With prefix reuse a row costs the tokens it computes (its cached prefix is not run): rows far
+    longer than the budget share one step when their cost fits, and the fair-share clock counts cost."""
+    mk = lambda rows: engine_scheduler.Job(rows, None, None)  # noqa: E731 - loop/future unused by the planner
+    jobs = [mk([[k] * 8000] * 4) for k in range(3)]
+    picked = engine_scheduler.plan_step(jobs, 16384, cost=lambda row: 100)
+    assert len(picked) == 12 and [j.served_tokens for j in jobs] == [400] * 3
+    plain = mk([[1] * 8000] * 4)
+    assert len(engine_scheduler.plan_step([plain], 16384)) == 2  # by length: two rows a step
+
+
 def test_plan_step_serves_a_later_small_request_in_the_next_step():
     mk = lambda rows: engine_scheduler.Job(rows, None, None)  # noqa: E731 - loop/future unused by the planner
     bigs = [mk([[k] * 6000] * 8) for k in range(3)]

@@ -88,16 +88,8 @@ class PrefixCache:
 
     def longest(self, row, limit: int):
         """The cached state of the longest prefix of `row` of at most `limit` tokens, or None."""
-        arr = np.asarray(row, dtype=np.int64)
         with self._lock:
-            # one pass over the row: the hash of each cached length's prefix, shortest first
-            h, done, found = hashlib.blake2b(digest_size=16), 0, None
-            for n in sorted(n for n in self.lengths if n <= limit):
-                h.update(arr[done:n].tobytes())
-                done = n
-                key = h.copy().digest() + n.to_bytes(4, "little")
-                if key in self.entries:
-                    found = key, n
+            found = self._find(row, limit)
             if found is None:
                 self.counts["misses"] += 1
                 return None
@@ -105,6 +97,26 @@ class PrefixCache:
             self.entries.move_to_end(key)
             self.counts.update(hits=1, tokens_reused=n)
             return self.entries[key]
+
+    def cached_tokens(self, row, limit: int) -> int:
+        """The length of the longest cached prefix of `row` of at most `limit` tokens (0 if none), for
+        planning: counted nowhere, the eviction order unchanged."""
+        with self._lock:
+            found = self._find(row, limit)
+        return found[1] if found is not None else 0
+
+    def _find(self, row, limit: int):
+        """(key, length) of the longest cached prefix within `limit`, or None; one pass over the row,
+        hashing each cached length's prefix, shortest first. Called with the lock held."""
+        arr = np.asarray(row, dtype=np.int64)
+        h, done, found = hashlib.blake2b(digest_size=16), 0, None
+        for n in sorted(n for n in self.lengths if n <= limit):
+            h.update(arr[done:n].tobytes())
+            done = n
+            key = h.copy().digest() + n.to_bytes(4, "little")
+            if key in self.entries:
+                found = key, n
+        return found
 
     def put(self, tokens, state: PrefixState) -> None:
         size = state.nbytes
@@ -337,13 +349,22 @@ class PrefixEngine:
     def stats(self) -> dict:
         return {"min_shared_tokens": self.min_tokens, "cache": self.cache.stats() if self.cache is not None else None}
 
+    def state_limit(self, row) -> int:
+        """The longest prefix of `row` a state may hold: the last chunk boundary before its last token
+        (its tail, 1 to 64 tokens, always runs); 0 for a row ending in the pad id, which runs whole, so
+        that Transformers pools the same token as for the exact forward (its rightmost non-pad token)."""
+        return (len(row) - 1) // GDN_CHUNK * GDN_CHUNK if row[-1] != self.clf.pad_token_id else 0
+
+    def step_tokens(self, row) -> int:
+        """The tokens `row` would compute if it ran now: those after its longest cached prefix (what the
+        scheduler's step budget counts, as SGLang's counts the tokens after a prefix match)."""
+        limit = self.state_limit(row)
+        cached = self.cache.cached_tokens(row, limit) if self.cache is not None and limit > 0 else 0
+        return len(row) - cached
+
     def run_step(self, rows: list[list[int]], max_rows: int) -> StepResult:
         n = len(rows)
-        # a row's last state is the last chunk boundary before its last token (its tail, 1 to 64 tokens,
-        # always runs); a row ending in the pad id runs whole, so that Transformers pools the same
-        # token as for the exact forward (its rightmost non-pad token)
-        pad = self.clf.pad_token_id
-        limits = [(len(r) - 1) // GDN_CHUNK * GDN_CHUNK if r[-1] != pad else 0 for r in rows]
+        limits = [self.state_limit(r) for r in rows]
         best = [self.cache.longest(r, limit) if self.cache is not None and limit > 0 else None
                 for r, limit in zip(rows, limits)]
 

@@ -28,7 +28,7 @@ class Job:
     future: asyncio.Future
     results: object = None          # np.ndarray [n, 3], filled step by step
     cursor: int = 0                 # next row to schedule
-    served_tokens: int = 0          # tokens of its rows scheduled so far (the fair-share clock)
+    served_tokens: int = 0          # what its scheduled rows cost (plan_step; the fair-share clock)
     done_rows: int = 0
     cancelled: bool = False
 
@@ -51,20 +51,22 @@ class Counters:
     rows_dropped_after_step: int = 0
 
 
-def plan_step(jobs: "list[Job]", token_budget: int) -> list[tuple[Job, int]]:
+def plan_step(jobs: "list[Job]", token_budget: int, cost=len) -> list[tuple[Job, int]]:
     """Pick the rows of one scheduling step under the token budget, fairly across requests: the
     requests that have been served the fewest tokens go first (arrival order among equals), then
     they take turns, one row per request per turn (a step always takes at least one row, so a row
     longer than the budget still runs, alone). A request that arrives behind large ones has been
     served nothing, so it is served in the next step, and large requests share the steps instead
-    of the oldest ones taking all of them. Returns (job, row index) pairs; advances each job."""
+    of the oldest ones taking all of them. `cost(row)` is what a row counts against the budget and
+    the clock: its length, or with prefix reuse the tokens it computes after its cached prefix.
+    Returns (job, row index) pairs; advances each job."""
     picked: list[tuple[Job, int]] = []
     used = 0
     active = sorted((j for j in jobs if not j.cancelled and j.cursor < len(j.rows)), key=lambda j: j.served_tokens)
     while active:
         nxt = []
         for job in active:
-            n = len(job.rows[job.cursor])
+            n = cost(job.rows[job.cursor])
             if picked and used + n > token_budget:
                 return picked
             picked.append((job, job.cursor))
@@ -226,7 +228,8 @@ class Engine:
                     self._cv.wait()
                 if self._stopping:
                     return
-                picked = plan_step(self._pending, self.args.step_token_budget)
+                picked = plan_step(self._pending, self.args.step_token_budget,
+                                   self.prefix.step_tokens if self.prefix is not None else len)
                 self.step_running_since = time.monotonic()
             if picked:
                 self._run_step(picked)
