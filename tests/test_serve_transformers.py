@@ -250,7 +250,9 @@ def test_sigterm_stops_gracefully(overlay, tmp_path):
 def test_sigterm_under_load_answers_every_admitted_request(overlay, tmp_path):
     """A request that cannot finish within the drain window gets a 503 with Retry-After before the
     server exits; one that can finish gets its 200; no client sees a dropped connection."""
-    srv = start_server(overlay, tmp_path / "log", "--drain-seconds", "3")
+    # a drain window the short request meets on a loaded 2-core machine (it waits for one step of the
+    # long one, then runs), and a long request of 1.3M tokens, about a minute there, that none meets
+    srv = start_server(overlay, tmp_path / "log", "--drain-seconds", "10")
     answers: dict[str, object] = {}
 
     def send(name, rows):
@@ -260,7 +262,7 @@ def test_sigterm_under_load_answers_every_admitted_request(overlay, tmp_path):
         except requests.RequestException as exc:
             answers[name] = exc
 
-    long = threading.Thread(target=send, args=("long", [[7] * 8191] * 60))
+    long = threading.Thread(target=send, args=("long", [[7] * 8191] * 160))
     short = threading.Thread(target=send, args=("short", [[8] * 4000] * 2))
     long.start()
     time.sleep(0.3)
