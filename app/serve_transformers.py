@@ -94,8 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="model name in responses (default: the checkpoint directory name)")
     p.add_argument("--step-token-budget", type=int, default=_env_int("OPENJEV_STEP_TOKEN_BUDGET", 16384),
                    help="tokens per scheduling step (with --prefix-reuse a row counts the tokens after its cached "
-                        "prefix): a larger request is split over steps, the requests served the fewest tokens go first (a small request behind large ones runs in the next step), and a "
-                        "step's rows are grouped by length into forwards of at most --max-running-requests rows "
+                        "prefix): a larger request is split over steps, the requests served the fewest tokens go "
+                        "first (a small request behind large ones runs in the next step), and a step's rows are grouped by length into forwards of at most --max-running-requests rows "
                         "(default: 16384, env OPENJEV_STEP_TOKEN_BUDGET)")
     p.add_argument("--max-body-bytes", type=int, default=_env_int("OPENJEV_MAX_BODY_BYTES", contract.DEFAULT_MAX_BODY_BYTES),
                    help="a larger request body gets 413 before it is parsed (default: 32 MiB, env OPENJEV_MAX_BODY_BYTES)")
