@@ -2,7 +2,7 @@
 """Where prefix reuse's time goes, in process (a benchmark, not a test): the embedded backend's
 padded path and its prefix-reuse path (openjev/engine/prefix.py) over the same set, steps formed as
 the server forms them (requests of --batch rows, --workers of them pending, plan_step under the
-step token budget), without HTTP.
+step token budget, a prefix-reuse row costing what it computes), without HTTP.
 
   padded          the default path (bitwise the reference on a GPU)
   prefix_flushed  prefix reuse, the state cache emptied before each pass
@@ -111,26 +111,27 @@ def divergence(clf, forwards, rows, picks) -> dict:
     return out
 
 
-def server_steps(rows, batch: int, workers: int, budget: int) -> list[list[int]]:
+def server_steps(rows, batch: int, workers: int, budget: int, cost=len):
     """Row indices of each step, as the server's scheduler plans them for `workers` clients that each
-    send requests of `batch` rows and send the next when one is answered."""
+    send requests of `batch` rows and send the next when one is answered: each step planned when the
+    one before it has run (a generator), with the cost the server gives a row (`cost`: its length, or
+    with prefix reuse PrefixEngine.step_tokens)."""
     from openjev.engine.scheduler import plan_step
 
     jobs = [SimpleNamespace(rows=rows[i:i + batch], base=i, cursor=0, cancelled=False, served_tokens=0)
             for i in range(0, len(rows), batch)]
-    pending, queue, steps = jobs[:workers], jobs[workers:], []
+    pending, queue = jobs[:workers], jobs[workers:]
     while pending:
-        steps.append([job.base + k for job, k in plan_step(pending, budget)])
+        yield [job.base + k for job, k in plan_step(pending, budget, cost)]
         for _ in range(sum(j.cursor >= len(j.rows) for j in pending)):  # each answered client sends again
             if queue:
                 pending.append(queue.pop(0))
         pending = [j for j in pending if j.cursor < len(j.rows)]
-    return steps
 
 
 def run_pass(step_fn, rows, steps, device):
     logits = np.empty((len(rows), 3), dtype=np.float32)
-    computed = forwards = 0
+    computed = forwards = count = 0
     sync(device)
     t0 = time.perf_counter()
     for step in steps:
@@ -138,8 +139,9 @@ def run_pass(step_fn, rows, steps, device):
         logits[step] = res.logits
         computed += res.computed_tokens
         forwards += res.forwards
+        count += 1
     sync(device)
-    return time.perf_counter() - t0, logits, computed, forwards
+    return time.perf_counter() - t0, logits, computed, forwards, count
 
 
 def main() -> int:
@@ -155,7 +157,7 @@ def main() -> int:
     prepare_serving(clf, "padded", args.max_rows)
     _, rows = read_tokens(args.tokens)
     rows, _ = truncate_rows(rows, 4096)
-    steps = server_steps(rows, args.batch, args.workers, args.step_tokens)
+    steps = list(server_steps(rows, args.batch, args.workers, args.step_tokens))  # by length (a cold pass)
     res = {"tokens_file": str(args.tokens), "rows": len(rows), "tokens": sum(map(len, rows)),
            "steps": [len(s) for s in steps], "kernel_path": kernel_path(clf.model), "modes": {}}
     print(f"{len(rows)} rows, {res['tokens']} tokens, {len(steps)} steps of {res['steps']} rows", flush=True)
@@ -165,15 +167,18 @@ def main() -> int:
     for mode in args.modes.split(","):
         if mode == "padded":
             step_fn = lambda r: forward_rows(clf, r, "padded", args.max_rows)  # noqa: E731
+            cost = len
         else:
             eng = engines[mode]
             step_fn = lambda r, eng=eng: eng.run_step(r, args.max_rows)  # noqa: E731
+            cost = eng.step_tokens
         out = []
         for k in range(1 + args.passes):
             if mode == "prefix_flushed":
                 eng.cache.clear()
-            sec, logits, computed, forwards = run_pass(step_fn, rows, steps, args.device)
-            out.append({"seconds": round(sec, 4), "computed_tokens": computed, "forwards": forwards})
+            sec, logits, computed, forwards, count = run_pass(
+                step_fn, rows, server_steps(rows, args.batch, args.workers, args.step_tokens, cost), args.device)
+            out.append({"seconds": round(sec, 4), "computed_tokens": computed, "forwards": forwards, "steps": count})
         if mode == "padded":
             base = logits
         m = {"passes": out, "median_s": round(statistics.median(p["seconds"] for p in out[1:]), 4)}
@@ -188,7 +193,8 @@ def main() -> int:
             if flush:
                 eng.cache.clear()
             t0 = time.perf_counter()
-            summary = prof_tables(lambda: [eng.run_step([rows[i] for i in s], args.max_rows) for s in steps],
+            planned = server_steps(rows, args.batch, args.workers, args.step_tokens, eng.step_tokens)
+            summary = prof_tables(lambda: [eng.run_step([rows[i] for i in s], args.max_rows) for s in planned],
                                   args.device, args.out / f"profile_prefix_{name}.txt", rows=40)
             summary["wall_us"] = round((time.perf_counter() - t0) * 1e6)
             res[f"profile_prefix_{name}"] = summary
