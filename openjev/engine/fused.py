@@ -435,6 +435,7 @@ def _check_piece(piece: str, model, modeling, device, dtype) -> dict:
         wrapper = make_conv_wrapper(original)
         _CONV_WEIGHTS.add(w.data_ptr())
         _CONV_CACHED_WEIGHTS.add(w.data_ptr())
+
         def want(x):
             return original(x, w, None, activation="silu")
 
