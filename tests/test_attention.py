@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from openjev_testsupport.varlen_reference import varlen_reference
+
 # (row lengths, prefix lengths, offset of the cached keys, per-row states) and the rows that keep their
 # own call: a call of a whole number of 64-token tiles
 CASES = [
@@ -103,6 +105,65 @@ def test_tail_calls_give_the_whole_rows_output(monkeypatch, lengths, starts, off
         assert not tails[j, n:].any()
 
 
+PACKED_CASES = [c[:4] for c in CASES if c[1]] + [([5, 70, 1], [0, 0, 0], 0, True)]
+
+
+@pytest.mark.parametrize("lengths,starts,offset,states", PACKED_CASES)
+def test_packed_rows_give_the_whole_rows_output(monkeypatch, lengths, starts, offset, states):
+    """OPENJEV_PREFIX_ATTENTION=varlen on a CPU, the varlen kernel replaced by a row-at-a-time
+    reference (float64): each row's queries and its prefix's and own keys gathered from the padded
+    layout, outputs put back, padding zero; NaN wherever a row's own call does not read stays unread."""
+    torch = pytest.importorskip("torch")
+    from openjev.engine import attention
+
+    monkeypatch.setenv("OPENJEV_PADDED_ATTENTION", "rowwise")
+    attention.rowwise_attention()
+    heads, kv_heads, dim = 4, 2, 8
+    module = attention._CheckModule(heads // kv_heads)
+    query, key, value = _rows(torch, lengths, offset, heads, kv_heads, dim, torch.float64, "cpu", starts, nan_outside=True)
+    args = (lengths, starts, offset, states)
+    monkeypatch.setattr(attention, "tail_calls_allowed", lambda *_: False)
+    whole, plan = _attend(torch, args, query, key, value, module, dim)
+    assert plan.packed is None
+    monkeypatch.setenv("OPENJEV_PREFIX_ATTENTION", "varlen")
+    _, plan = _attend(torch, args, query, key, value, module, dim)
+    assert plan.packed is None  # a CPU has no varlen kernel: the whole row's calls
+    monkeypatch.setattr(attention, "packed_calls_allowed", lambda *_: True)
+    monkeypatch.setattr(attention, "varlen_flash", varlen_reference)
+    packed, plan = _attend(torch, args, query, key, value, module, dim)
+    assert plan.packed is not None and plan.alone == [] and plan.batch is None
+    assert plan.packed.max_q == max(lengths) and plan.packed.max_k == max(n + p for n, p in zip(lengths, starts))
+    torch.testing.assert_close(packed, whole, rtol=0, atol=1e-12)
+    for j, n in enumerate(lengths):
+        assert not packed[j, n:].any()
+
+
+def test_packed_rows_only_for_prefix_forwards(monkeypatch):
+    """The exact path's forwards (no prefix layout) keep their own calls whatever the mode."""
+    torch = pytest.importorskip("torch")
+    from openjev.engine import attention
+
+    monkeypatch.setenv("OPENJEV_PREFIX_ATTENTION", "varlen")
+    monkeypatch.setattr(attention, "packed_calls_allowed", lambda *_: True)
+    attention.rowwise_attention()
+    query, key, value = _rows(torch, [5, 3], 0, 4, 2, 8, torch.float64, "cpu")
+    _, plan = _attend(torch, ([5, 3], None, 0, False), query, key, value, attention._CheckModule(2), 8)
+    assert plan.packed is None and plan.alone == [0, 1]
+
+
+def test_prefix_attention_mode_is_checked(monkeypatch):
+    from openjev.common import UserError
+    from openjev.engine.kernels import prefix_attention_mode
+
+    monkeypatch.delenv("OPENJEV_PREFIX_ATTENTION", raising=False)
+    assert prefix_attention_mode() == "whole-row"
+    monkeypatch.setenv("OPENJEV_PREFIX_ATTENTION", "varlen")
+    assert prefix_attention_mode() == "varlen"
+    monkeypatch.setenv("OPENJEV_PREFIX_ATTENTION", "packed")
+    with pytest.raises(UserError, match="OPENJEV_PREFIX_ATTENTION='packed': expected whole-row or varlen"):
+        prefix_attention_mode()
+
+
 def test_no_shared_calls_on_a_cpu():
     torch = pytest.importorskip("torch")
     from transformers import AutoConfig
@@ -171,3 +232,32 @@ def test_tail_calls_on_a_gpu_are_bitwise_where_the_check_allows():
             whole, _ = _attend(torch, args, query, key, value, module, dim)
         for j, n in enumerate(lengths):
             assert torch.equal(tails[j, :n], whole[j, :n]), (args, j, float((tails[j, :n] - whole[j, :n]).abs().max()))
+
+
+@pytest.mark.gpu
+def test_packed_rows_on_a_gpu_are_within_a_unit_of_the_whole_rows_calls(monkeypatch):
+    """At Qwen3.5-4B's attention shape in FP16, OPENJEV_PREFIX_ATTENTION=varlen: every row of a forward
+    from prefix states in one FlashAttention varlen call, against the whole row's calls: not bit for
+    bit, within about one unit in the last place of each output."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: FlashAttention is a GPU kernel")
+    from openjev.engine import attention
+
+    attention.rowwise_attention()
+    heads, kv_heads, dim = 16, 4, 256
+    module = attention._CheckModule(heads // kv_heads)
+    for lengths, starts, offset, states in [([37, 300, 1, 64], [1280, 640, 896, 1408], 1408, False),
+                                            ([37, 3, 700], [1280, 64, 0], 1280, True)]:
+        query, key, value = _rows(torch, lengths, offset, heads, kv_heads, dim, torch.float16, "cuda", starts,
+                                  nan_outside=True)
+        args = (lengths, starts, offset, states)
+        with monkeypatch.context() as mp:
+            mp.setattr(attention, "tail_calls_allowed", lambda *_: False)
+            whole, _ = _attend(torch, args, query, key, value, module, dim)
+            mp.setenv("OPENJEV_PREFIX_ATTENTION", "varlen")
+            packed, plan = _attend(torch, args, query, key, value, module, dim)
+        assert plan.packed is not None
+        for j, n in enumerate(lengths):
+            torch.testing.assert_close(packed[j, :n], whole[j, :n], rtol=2e-3, atol=1e-3)
+            assert not packed[j, n:].any()

@@ -92,11 +92,21 @@ def clf(tiny_model):
     return load_classifier(tiny_model["checkpoint"], "cpu", "float32")
 
 
-@pytest.mark.parametrize("budget_mb", [0, 64])
-def test_prefix_path_matches_the_exact_forward_cold_and_warm(clf, budget_mb):
+@pytest.mark.parametrize("budget_mb,attention", [(0, "whole-row"), (64, "whole-row"), (64, "varlen")])
+def test_prefix_path_matches_the_exact_forward_cold_and_warm(clf, budget_mb, attention, monkeypatch):
+    """Cold and warm, without and with the cross-request cache; OPENJEV_PREFIX_ATTENTION=varlen with
+    the varlen kernel replaced by its row-at-a-time reference (a CPU has no FlashAttention)."""
+    from openjev.engine import attention as attention_module
     from openjev.engine.classifier import score_exact
     from openjev.engine.prefix import PrefixEngine
+    from openjev_testsupport.varlen_reference import varlen_reference
 
+    monkeypatch.setenv("OPENJEV_PREFIX_ATTENTION", attention)
+    packed = []
+    if attention == "varlen":
+        monkeypatch.setattr(attention_module, "packed_calls_allowed", lambda *_: True)
+        monkeypatch.setattr(attention_module, "varlen_flash",
+                            lambda *a: packed.append(len(a[3]) - 1) or varlen_reference(*a))
     rows = _rows(clf.vocab_size)
     ref = score_exact(clf, rows)
     engine = PrefixEngine(clf, budget_mb << 20, min_tokens=16)
@@ -115,6 +125,7 @@ def test_prefix_path_matches_the_exact_forward_cold_and_warm(clf, budget_mb):
         assert warm.computed_tokens == tails(rows) and engine.stats()["cache"]["hits"] >= len(rows) - 3
     else:
         assert warm.computed_tokens == cold.computed_tokens and engine.stats()["cache"] is None
+    assert bool(packed) == (attention == "varlen")
 
 
 def test_prefix_path_under_a_small_budget_and_rows_ending_in_the_pad_id(clf):

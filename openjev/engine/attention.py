@@ -6,7 +6,9 @@ gives every row the output of the call an unpadded forward of that row makes: ca
 FlashAttention on a GPU. A row that goes on from a prefix state runs the whole row's call with the
 prefix's queries zeroed (`attend_after_prefix`), or, where a check at load found it bitwise that
 call on the device, its tail's queries alone with the causal mask aligned to the bottom right
-(`attend_tail`; not yet run on a GPU).
+(`attend_tail`). With OPENJEV_PREFIX_ATTENTION=varlen (opt-in, GPU only), forwards from prefix states
+instead attend in one variable-length FlashAttention call a layer (`PackedRows`): faster, and within
+about one unit in the last place of each output, not bit for bit.
 
 With OPENJEV_PADDED_ATTENTION=shared (opt-in), rows whose call length is not a multiple of 64 (the
 kernel's whole-tiles variant rounds differently) share one call, padded with zeros to the longest:
@@ -117,6 +119,9 @@ def rowwise_attention() -> str:
         starts = layout.starts or (0,) * len(layout.lengths)
         out = query.new_zeros((query.shape[0], query.shape[2], query.shape[1], value.shape[-1]))
         plan = _plan(layout, query, key.shape[1], inner)
+        if plan.packed is not None:
+            plan.packed.attend(query, key, value, out, kwargs.get("scaling"))
+            return out, None
         if plan.batch is not None:  # first: a direct call writes every row, the rows alone then their own
             plan.batch.attend(inner, module, query, key, value, out, **kwargs)
         odd = layout.per_row_states  # a state-keeping forward stops on a 64-token boundary inside the row
@@ -180,6 +185,74 @@ class RowPlan:
     alone: list          # rows that get their own call
     batch: "BatchedRows | DirectRows | None"
     tail: bool = False   # rows after a prefix attend with their tail's queries alone (attend_tail)
+    packed: "PackedRows | None" = None  # every row in one variable-length call (OPENJEV_PREFIX_ATTENTION=varlen)
+
+
+def varlen_flash(query, key, value, cu_q, cu_k, max_q: int, max_k: int, scale):
+    """FlashAttention over packed rows ([tokens, heads, dim]; keys may have fewer heads), causal aligned
+    to the bottom right of each row, through torch.nn.attention.varlen (a CUDA build of torch 2.10 or
+    later)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    extra = {"enable_gqa": True} if key.shape[1] != query.shape[1] and _varlen_takes_gqa_flag() else {}
+    return varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0), **extra)
+
+
+@functools.lru_cache(maxsize=1)
+def _varlen_takes_gqa_flag() -> bool:  # torch 2.11 takes fewer key heads without the flag
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+@dataclass
+class PackedRows:
+    """Every row of a forward from prefix states in one variable-length call: row j's queries after its
+    prefix over the prefix's keys and its own (left-padded in the cache to `offset`), gathered by index
+    tensors made once a forward and used by every attention layer. Not the whole row's call's bits
+    (FlashAttention's varlen kernel rounds its own way; about one unit in the last place of an output,
+    measured on an H100), so only for prefix reuse and only where asked for."""
+
+    q_rows: object   # [tokens] the row of each packed query
+    q_pos: object    # [tokens] its position in the forward's queries
+    k_rows: object   # [keys] the row of each packed key
+    k_pos: object    # [keys] its position in the cache's keys
+    cu_q: object     # [rows + 1] int32
+    cu_k: object     # [rows + 1] int32
+    max_q: int
+    max_k: int
+
+    @classmethod
+    def build(cls, layout: PaddedLayout, device) -> "PackedRows":
+        import torch
+
+        starts = layout.starts or (0,) * len(layout.lengths)
+        off = layout.offset
+        q_rows, q_pos, k_rows, k_pos = [], [], [], []
+        for j, (n, p) in enumerate(zip(layout.lengths, starts)):
+            q_rows.append(torch.full((n,), j, dtype=torch.long))
+            q_pos.append(torch.arange(n))
+            k_rows.append(torch.full((p + n,), j, dtype=torch.long))
+            k_pos.append(torch.arange(off - p, off + n))
+
+        def cu(sizes):
+            return torch.tensor([0] + list(sizes), dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+        tensors = dict(q_rows=torch.cat(q_rows), q_pos=torch.cat(q_pos), k_rows=torch.cat(k_rows),
+                       k_pos=torch.cat(k_pos), cu_q=cu(layout.lengths),
+                       cu_k=cu(p + n for n, p in zip(layout.lengths, starts)))
+        return cls(**{k: to_device(v, device) for k, v in tensors.items()}, max_q=max(layout.lengths),
+                   max_k=max(p + n for n, p in zip(layout.lengths, starts)))
+
+    def attend(self, query, key, value, out, scale) -> None:
+        """query [rows, heads, width, dim], key/value [rows, kv heads, offset + width, dim] as
+        Transformers' SDPA function gets them; out [rows, width, heads, dim] gets every real query."""
+        q = query[self.q_rows, :, self.q_pos]  # [tokens, heads, dim]
+        k, v = key[self.k_rows, :, self.k_pos], value[self.k_rows, :, self.k_pos]
+        res = varlen_flash(q, k, v, self.cu_q, self.cu_k, self.max_q, self.max_k, scale)
+        out[self.q_rows, self.q_pos] = res.to(out.dtype)
 
 
 @dataclass
@@ -272,8 +345,12 @@ def _plan(layout: PaddedLayout, query, kv_heads: int, inner) -> RowPlan:
     plan = layout.plans.get(key)
     if plan is not None:
         return plan
-    from openjev.engine.kernels import padded_attention_mode
+    from openjev.engine.kernels import padded_attention_mode, prefix_attention_mode
 
+    if layout.starts is not None and prefix_attention_mode() == "varlen" and packed_calls_allowed(query):
+        plan = RowPlan([], None, packed=PackedRows.build(layout, query.device))
+        layout.plans[key] = plan
+        return plan
     rows = list(range(len(layout.lengths)))
     may_share = len(rows) > 1 and padded_attention_mode() == "shared" and shared_calls_allowed(query, kv_heads, inner)
     batched = [j for j, c in enumerate(layout.call_lengths()) if c % FLASH_QUERY_TILE] if may_share else []
@@ -290,6 +367,12 @@ def _plan(layout: PaddedLayout, query, kv_heads: int, inner) -> RowPlan:
     plan = RowPlan(alone, batch, tail)
     layout.plans[key] = plan
     return plan
+
+
+def packed_calls_allowed(query) -> bool:
+    """Whether forwards from prefix states may attend in one variable-length call (a GPU: the varlen
+    kernel is FlashAttention's)."""
+    return bool(query.is_cuda)
 
 
 def tail_calls_allowed(query, kv_heads: int, inner) -> bool:

@@ -36,6 +36,7 @@ from openjev.common import UserError
 
 log = logging.getLogger("openjev.kernels")
 PADDED_ATTENTION_ENV = "OPENJEV_PADDED_ATTENTION"  # rowwise (default) | shared | masked (Transformers' masked SDPA)
+PREFIX_ATTENTION_ENV = "OPENJEV_PREFIX_ATTENTION"  # whole-row (default) | varlen (one call a layer, prefix reuse only)
 
 KERNELS_ENV = "OPENJEV_KERNELS"
 KERNEL_MODES = ("auto", "torch")
@@ -439,6 +440,15 @@ def padded_attention_mode() -> str:
     return mode
 
 
+def prefix_attention_mode() -> str:
+    """How forwards of --prefix-reuse attend: whole-row (each row the call its whole row's forward
+    makes) or varlen (every row of the forward in one variable-length FlashAttention call, GPU only)."""
+    mode = os.environ.get(PREFIX_ATTENTION_ENV, "whole-row") or "whole-row"
+    if mode not in ("whole-row", "varlen"):
+        raise UserError(f"{PREFIX_ATTENTION_ENV}={mode!r}: expected whole-row or varlen")
+    return mode
+
+
 def kernel_path(model) -> dict:
     """What the loaded model's forward runs: GDN chunk kernel, causal conv, attention, versions."""
     import torch
@@ -462,6 +472,7 @@ def kernel_path(model) -> dict:
     info["triton_cache_dir"] = os.environ.get("TRITON_CACHE_DIR") or "~/.triton/cache (Triton's default)"
     info["fla_configs"] = pins_record()
     info["padded_attention"] = padded_attention_mode()
+    info["prefix_attention"] = prefix_attention_mode()
     info["sdp_backends"] = sdp_backends()
     from openjev.engine.fused import fused_record
 
