@@ -176,10 +176,11 @@ def test_no_shared_calls_on_a_cpu():
 
 
 @pytest.mark.gpu
-def test_rows_sharing_a_call_on_a_gpu_are_bitwise_their_own_calls():
+def test_rows_sharing_a_call_on_a_gpu_are_bitwise_their_own_calls(monkeypatch):
     """At Qwen3.5-4B's attention shape (16 query / 4 key-value heads of 256, FP16), rows that share one
     call keep their own calls' bits; rows of whole tiles keep their own calls."""
     torch = pytest.importorskip("torch")
+    monkeypatch.delenv("OPENJEV_PREFIX_ATTENTION", raising=False)  # the whole row's calls, whatever the session set
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device: FlashAttention is a GPU kernel")
     from openjev.engine import attention
@@ -206,10 +207,11 @@ def test_rows_sharing_a_call_on_a_gpu_are_bitwise_their_own_calls():
 
 
 @pytest.mark.gpu
-def test_tail_calls_on_a_gpu_are_bitwise_where_the_check_allows():
+def test_tail_calls_on_a_gpu_are_bitwise_where_the_check_allows(monkeypatch):
     """At Qwen3.5-4B's attention shape in FP16: where the device check lets rows after a prefix attend
     with their tail's queries alone, each row gets the whole row's call's bits."""
     torch = pytest.importorskip("torch")
+    monkeypatch.delenv("OPENJEV_PREFIX_ATTENTION", raising=False)
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device: FlashAttention is a GPU kernel")
     from openjev.engine import attention
@@ -254,6 +256,7 @@ def test_packed_rows_on_a_gpu_are_within_a_unit_of_the_whole_rows_calls(monkeypa
         args = (lengths, starts, offset, states)
         with monkeypatch.context() as mp:
             mp.setattr(attention, "tail_calls_allowed", lambda *_: False)
+            mp.delenv("OPENJEV_PREFIX_ATTENTION", raising=False)
             whole, _ = _attend(torch, args, query, key, value, module, dim)
             mp.setenv("OPENJEV_PREFIX_ATTENTION", "varlen")
             packed, plan = _attend(torch, args, query, key, value, module, dim)
