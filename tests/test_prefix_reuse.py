@@ -128,6 +128,18 @@ def test_prefix_path_matches_the_exact_forward_cold_and_warm(clf, budget_mb, att
     assert bool(packed) == (attention == "varlen")
 
 
+def test_a_warm_steps_tails_run_in_one_forward_of_up_to_128_rows(clf):
+    """Tails are at most 64 tokens: a warm step of 96 rows runs them in one forward, not two of 64."""
+    from openjev.engine.prefix import PrefixEngine
+
+    rng = random.Random(7)
+    rows = [[rng.randrange(3, clf.vocab_size) for _ in range(rng.randrange(70, 120))] for _ in range(96)]
+    engine = PrefixEngine(clf, 64 << 20, min_tokens=16)
+    engine.run_step(rows, max_rows=16)
+    warm = engine.run_step(rows, max_rows=16)
+    assert warm.computed_tokens == tails(rows) and warm.forwards == 1
+
+
 def test_prefix_path_under_a_small_budget_and_rows_ending_in_the_pad_id(clf):
     """Evictions leave the answers unchanged; a row ending in the pad id runs whole, so the pooled token
     is the exact forward's (its rightmost non-pad token)."""

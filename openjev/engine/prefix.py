@@ -46,6 +46,10 @@ GDN_CHUNK = 64
 # Rows a forward of the prefix path may hold (at least --max-running-requests): its forwards are
 # shorter than the plain path's, so fewer, wider ones keep the fixed cost of a forward down.
 PREFIX_FORWARD_ROWS = 64
+# Rows a tail forward may hold: tails are 1 to 64 tokens, so even this many is a small forward, and
+# one forward instead of two took a warm pass of the 128-row set from 0.35-0.39 s to 0.31 s in
+# process on an H100 (results_h100/prefix_reuse/3618537).
+PREFIX_TAIL_FORWARD_ROWS = 128
 # What one more prefix-path forward costs, in padded tokens, when a phase's rows are cut into forwards
 # (batching.length_groups): its host time barely grows with its rows (on an H100, warm steps' tail
 # forwards of 22 and 32 rows took 89 and 117 ms, about 15 us a padded token more), so fewer, fuller
@@ -375,10 +379,9 @@ class PrefixEngine:
         stats = {"forwards": 0, "computed": 0, "padded": 0}
 
         torch = self.forwards.torch
-        rows_cap = max(max_rows, PREFIX_FORWARD_ROWS)
-
         def forward(phase, items, want_states):
             logits_all, states_all = [None] * len(items), [None] * len(items)
+            rows_cap = max(max_rows, PREFIX_TAIL_FORWARD_ROWS if phase == "tail" else PREFIX_FORWARD_ROWS)
             for idx in length_groups([len(t) for _, t in items], rows_cap, PREFIX_FORWARD_COST_TOKENS):
                 group = [items[i] for i in idx]
                 with torch.profiler.record_function(f"openjev.prefix.{phase}"):
