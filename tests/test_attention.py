@@ -75,19 +75,25 @@ def test_rows_sharing_a_call_get_their_own_calls_output(monkeypatch, lengths, st
         assert not shared[j, n:].any()
 
 
+def _cpu_rowwise_case(monkeypatch, torch, lengths, starts, offset):
+    """The rowwise mode on a CPU, a small GQA head shape, and a float64 padded layout with NaN wherever
+    a row's own call does not read."""
+    from openjev.engine import attention
+
+    monkeypatch.setenv("OPENJEV_PADDED_ATTENTION", "rowwise")
+    attention.rowwise_attention()
+    heads, kv_heads, dim = 4, 2, 8
+    rows = _rows(torch, lengths, offset, heads, kv_heads, dim, torch.float64, "cpu", starts, nan_outside=True)
+    return attention, attention._CheckModule(heads // kv_heads), dim, rows
+
+
 @pytest.mark.parametrize("lengths,starts,offset,states,alone", [c for c in CASES if c[1]])
 def test_tail_calls_give_the_whole_rows_output(monkeypatch, lengths, starts, offset, states, alone):
     """Rows after a prefix attending with their tail's queries alone (bottom-right causal mask), on a
     CPU where the test allows it: the whole row's call's outputs for those queries, padding zero;
     a state-keeping call that needs its unseen zero token keeps the whole row's call."""
     torch = pytest.importorskip("torch")
-    from openjev.engine import attention
-
-    monkeypatch.setenv("OPENJEV_PADDED_ATTENTION", "rowwise")
-    attention.rowwise_attention()
-    heads, kv_heads, dim = 4, 2, 8
-    module = attention._CheckModule(heads // kv_heads)
-    query, key, value = _rows(torch, lengths, offset, heads, kv_heads, dim, torch.float64, "cpu", starts, nan_outside=True)
+    attention, module, dim, (query, key, value) = _cpu_rowwise_case(monkeypatch, torch, lengths, starts, offset)
     args = (lengths, starts, offset, states)
     used = []
     real = attention.attend_tail
@@ -114,13 +120,7 @@ def test_packed_rows_give_the_whole_rows_output(monkeypatch, lengths, starts, of
     reference (float64): each row's queries and its prefix's and own keys gathered from the padded
     layout, outputs put back, padding zero; NaN wherever a row's own call does not read stays unread."""
     torch = pytest.importorskip("torch")
-    from openjev.engine import attention
-
-    monkeypatch.setenv("OPENJEV_PADDED_ATTENTION", "rowwise")
-    attention.rowwise_attention()
-    heads, kv_heads, dim = 4, 2, 8
-    module = attention._CheckModule(heads // kv_heads)
-    query, key, value = _rows(torch, lengths, offset, heads, kv_heads, dim, torch.float64, "cpu", starts, nan_outside=True)
+    attention, module, dim, (query, key, value) = _cpu_rowwise_case(monkeypatch, torch, lengths, starts, offset)
     args = (lengths, starts, offset, states)
     monkeypatch.setattr(attention, "tail_calls_allowed", lambda *_: False)
     whole, plan = _attend(torch, args, query, key, value, module, dim)
@@ -206,6 +206,14 @@ def test_rows_sharing_a_call_on_a_gpu_are_bitwise_their_own_calls(monkeypatch):
             assert torch.equal(shared[j, :n], each[j, :n]), (args, j, float((shared[j, :n] - each[j, :n]).abs().max()))
 
 
+def _gpu_prefix_cases(torch, heads, kv_heads, dim):
+    """Padded layouts of forwards from prefix states, FP16 on the GPU: (layout arguments, rows)."""
+    for lengths, starts, offset, states in [([37, 300, 1, 64], [1280, 640, 896, 1408], 1408, False),
+                                            ([37, 3, 700], [1280, 64, 0], 1280, True)]:
+        yield ((lengths, starts, offset, states),
+               _rows(torch, lengths, offset, heads, kv_heads, dim, torch.float16, "cuda", starts, nan_outside=True))
+
+
 @pytest.mark.gpu
 def test_tail_calls_on_a_gpu_are_bitwise_where_the_check_allows(monkeypatch):
     """At Qwen3.5-4B's attention shape in FP16: where the device check lets rows after a prefix attend
@@ -222,11 +230,8 @@ def test_tail_calls_on_a_gpu_are_bitwise_where_the_check_allows(monkeypatch):
     if not attention.tail_calls_are_exact(probe, kv_heads, attention._INNER[0]):
         pytest.skip("the device check found tail-only calls not bitwise here, so the whole row's call runs")
     module = attention._CheckModule(heads // kv_heads)
-    for lengths, starts, offset, states in [([37, 300, 1, 64], [1280, 640, 896, 1408], 1408, False),
-                                            ([37, 3, 700], [1280, 64, 0], 1280, True)]:
-        query, key, value = _rows(torch, lengths, offset, heads, kv_heads, dim, torch.float16, "cuda", starts,
-                                  nan_outside=True)
-        args = (lengths, starts, offset, states)
+    for args, (query, key, value) in _gpu_prefix_cases(torch, heads, kv_heads, dim):
+        lengths = args[0]
         tails, plan = _attend(torch, args, query, key, value, module, dim)
         assert plan.tail
         with pytest.MonkeyPatch.context() as mp:
@@ -249,11 +254,8 @@ def test_packed_rows_on_a_gpu_are_within_a_unit_of_the_whole_rows_calls(monkeypa
     attention.rowwise_attention()
     heads, kv_heads, dim = 16, 4, 256
     module = attention._CheckModule(heads // kv_heads)
-    for lengths, starts, offset, states in [([37, 300, 1, 64], [1280, 640, 896, 1408], 1408, False),
-                                            ([37, 3, 700], [1280, 64, 0], 1280, True)]:
-        query, key, value = _rows(torch, lengths, offset, heads, kv_heads, dim, torch.float16, "cuda", starts,
-                                  nan_outside=True)
-        args = (lengths, starts, offset, states)
+    for args, (query, key, value) in _gpu_prefix_cases(torch, heads, kv_heads, dim):
+        lengths = args[0]
         with monkeypatch.context() as mp:
             mp.setattr(attention, "tail_calls_allowed", lambda *_: False)
             mp.delenv("OPENJEV_PREFIX_ATTENTION", raising=False)
