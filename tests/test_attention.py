@@ -130,6 +130,10 @@ def test_packed_rows_give_the_whole_rows_output(monkeypatch, lengths, starts, of
     assert plan.packed is None  # a CPU has no varlen kernel: the whole row's calls
     monkeypatch.setattr(attention, "packed_calls_allowed", lambda *_: True)
     monkeypatch.setattr(attention, "varlen_flash", varlen_reference)
+    monkeypatch.setenv("OPENJEV_PREFIX_ATTENTION", "varlen-tails")  # only where the forward keeps no state
+    _, plan = _attend(torch, args, query, key, value, module, dim)
+    assert (plan.packed is None) == states
+    monkeypatch.setenv("OPENJEV_PREFIX_ATTENTION", "varlen")
     packed, plan = _attend(torch, args, query, key, value, module, dim)
     assert plan.packed is not None and plan.alone == [] and plan.batch is None
     assert plan.packed.max_q == max(lengths) and plan.packed.max_k == max(n + p for n, p in zip(lengths, starts))
@@ -160,7 +164,7 @@ def test_prefix_attention_mode_is_checked(monkeypatch):
     monkeypatch.setenv("OPENJEV_PREFIX_ATTENTION", "varlen")
     assert prefix_attention_mode() == "varlen"
     monkeypatch.setenv("OPENJEV_PREFIX_ATTENTION", "packed")
-    with pytest.raises(UserError, match="OPENJEV_PREFIX_ATTENTION='packed': expected whole-row or varlen"):
+    with pytest.raises(UserError, match="OPENJEV_PREFIX_ATTENTION='packed': expected whole-row, varlen or varlen-tails"):
         prefix_attention_mode()
 
 

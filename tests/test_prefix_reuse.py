@@ -92,10 +92,12 @@ def clf(tiny_model):
     return load_classifier(tiny_model["checkpoint"], "cpu", "float32")
 
 
-@pytest.mark.parametrize("budget_mb,attention", [(0, "whole-row"), (64, "whole-row"), (64, "varlen")])
+@pytest.mark.parametrize("budget_mb,attention", [(0, "whole-row"), (64, "whole-row"), (64, "varlen"),
+                                                  (64, "varlen-tails")])
 def test_prefix_path_matches_the_exact_forward_cold_and_warm(clf, budget_mb, attention, monkeypatch):
-    """Cold and warm, without and with the cross-request cache; OPENJEV_PREFIX_ATTENTION=varlen with
-    the varlen kernel replaced by its row-at-a-time reference (a CPU has no FlashAttention)."""
+    """Cold and warm, without and with the cross-request cache; OPENJEV_PREFIX_ATTENTION=varlen and
+    varlen-tails with the varlen kernel replaced by its row-at-a-time reference (a CPU has no
+    FlashAttention)."""
     from openjev.engine import attention as attention_module
     from openjev.engine.classifier import score_exact
     from openjev.engine.prefix import PrefixEngine
@@ -103,7 +105,7 @@ def test_prefix_path_matches_the_exact_forward_cold_and_warm(clf, budget_mb, att
 
     monkeypatch.setenv("OPENJEV_PREFIX_ATTENTION", attention)
     packed = []
-    if attention == "varlen":
+    if attention != "whole-row":
         monkeypatch.setattr(attention_module, "packed_calls_allowed", lambda *_: True)
         monkeypatch.setattr(attention_module, "varlen_flash",
                             lambda *a: packed.append(len(a[3]) - 1) or varlen_reference(*a))
@@ -125,7 +127,7 @@ def test_prefix_path_matches_the_exact_forward_cold_and_warm(clf, budget_mb, att
         assert warm.computed_tokens == tails(rows) and engine.stats()["cache"]["hits"] >= len(rows) - 3
     else:
         assert warm.computed_tokens == cold.computed_tokens and engine.stats()["cache"] is None
-    assert bool(packed) == (attention == "varlen")
+    assert bool(packed) == (attention != "whole-row")
 
 
 def test_a_warm_steps_tails_run_in_one_forward_of_up_to_128_rows(clf):

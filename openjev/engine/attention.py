@@ -8,7 +8,8 @@ prefix's queries zeroed (`attend_after_prefix`), or, where a check at load found
 call on the device, its tail's queries alone with the causal mask aligned to the bottom right
 (`attend_tail`). With OPENJEV_PREFIX_ATTENTION=varlen (opt-in, GPU only), forwards from prefix states
 instead attend in one variable-length FlashAttention call a layer (`PackedRows`): faster, and within
-about one unit in the last place of each output, not bit for bit.
+about one unit in the last place of each output, not bit for bit; varlen-tails does so only in
+forwards that keep no state, so no cached state carries the difference.
 
 With OPENJEV_PADDED_ATTENTION=shared (opt-in), rows whose call length is not a multiple of 64 (the
 kernel's whole-tiles variant rounds differently) share one call, padded with zeros to the longest:
@@ -347,7 +348,8 @@ def _plan(layout: PaddedLayout, query, kv_heads: int, inner) -> RowPlan:
         return plan
     from openjev.engine.kernels import padded_attention_mode, prefix_attention_mode
 
-    if layout.starts is not None and prefix_attention_mode() == "varlen" and packed_calls_allowed(query):
+    packed = prefix_attention_mode() if layout.starts is not None else "whole-row"
+    if (packed == "varlen" or (packed == "varlen-tails" and not layout.per_row_states)) and packed_calls_allowed(query):
         plan = RowPlan([], None, packed=PackedRows.build(layout, query.device))
         layout.plans[key] = plan
         return plan

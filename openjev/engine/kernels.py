@@ -36,7 +36,7 @@ from openjev.common import UserError
 
 log = logging.getLogger("openjev.kernels")
 PADDED_ATTENTION_ENV = "OPENJEV_PADDED_ATTENTION"  # rowwise (default) | shared | masked (Transformers' masked SDPA)
-PREFIX_ATTENTION_ENV = "OPENJEV_PREFIX_ATTENTION"  # whole-row (default) | varlen (one call a layer, prefix reuse only)
+PREFIX_ATTENTION_ENV = "OPENJEV_PREFIX_ATTENTION"  # whole-row (default) | varlen | varlen-tails (prefix reuse only)
 
 KERNELS_ENV = "OPENJEV_KERNELS"
 KERNEL_MODES = ("auto", "torch")
@@ -442,10 +442,11 @@ def padded_attention_mode() -> str:
 
 def prefix_attention_mode() -> str:
     """How forwards of --prefix-reuse attend: whole-row (each row the call its whole row's forward
-    makes) or varlen (every row of the forward in one variable-length FlashAttention call, GPU only)."""
+    makes), varlen (every row of the forward in one variable-length FlashAttention call, GPU only) or
+    varlen-tails (so only in forwards that keep no state, whose outputs no later row reads)."""
     mode = os.environ.get(PREFIX_ATTENTION_ENV, "whole-row") or "whole-row"
-    if mode not in ("whole-row", "varlen"):
-        raise UserError(f"{PREFIX_ATTENTION_ENV}={mode!r}: expected whole-row or varlen")
+    if mode not in ("whole-row", "varlen", "varlen-tails"):
+        raise UserError(f"{PREFIX_ATTENTION_ENV}={mode!r}: expected whole-row, varlen or varlen-tails")
     return mode
 
 
