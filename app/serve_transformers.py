@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "prefix): a larger request is split over steps, the requests served the fewest tokens go "
                         "first (a small request behind large ones runs in the next step), and a step's rows are grouped by length into forwards of at most --max-running-requests rows "
                         "(default: 16384, env OPENJEV_STEP_TOKEN_BUDGET)")
+    p.add_argument("--batch-wait-ms", type=float, default=float(_env_int("OPENJEV_BATCH_WAIT_MS", 0)),
+                   help="when a request finds the server idle, wait up to this long for others sent with it, so they "
+                        "share the first step (stops early once the step budget is full); each such request waits "
+                        "that much longer (default: 0, off; env OPENJEV_BATCH_WAIT_MS)")
     p.add_argument("--max-body-bytes", type=int, default=_env_int("OPENJEV_MAX_BODY_BYTES", contract.DEFAULT_MAX_BODY_BYTES),
                    help="a larger request body gets 413 before it is parsed (default: 32 MiB, env OPENJEV_MAX_BODY_BYTES)")
     p.add_argument("--max-text-chars", type=int, default=_env_int("OPENJEV_MAX_TEXT_CHARS", contract.DEFAULT_MAX_TEXT_CHARS),
@@ -134,9 +138,10 @@ def main() -> int:
         raise UserError(f"port {args.port} is out of range: give a TCP port from 1 to 65535")
     if args.step_token_budget < 1 or args.max_body_bytes < 1 or args.max_text_chars < 1:
         raise UserError("--step-token-budget, --max-body-bytes and --max-text-chars must be >= 1")
-    if min(args.watchdog_seconds, args.torch_threads, args.drain_seconds, args.max_queued_requests) < 0:
-        raise UserError("--watchdog-seconds, --drain-seconds, --max-queued-requests and --torch-threads must not "
-                        "be negative")
+    if min(args.watchdog_seconds, args.torch_threads, args.drain_seconds, args.max_queued_requests,
+           args.batch_wait_ms) < 0:
+        raise UserError("--watchdog-seconds, --drain-seconds, --max-queued-requests, --torch-threads and "
+                        "--batch-wait-ms must not be negative")
     if args.prefix_cache_mb < 0 or args.prefix_min_tokens < 1:
         raise UserError("--prefix-cache-mb must not be negative and --prefix-min-tokens must be >= 1")
     if not (args.checkpoint / "config.json").is_file():

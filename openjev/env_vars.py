@@ -53,6 +53,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "characters of all texts of one request (--max-text-chars)"),
     EnvVar("OPENJEV_STEP_TOKEN_BUDGET", "operator", "16384", "serve_transformers.py",
            "tokens of one scheduling step (--step-token-budget)"),
+    EnvVar("OPENJEV_BATCH_WAIT_MS", "operator", "0", "serve_transformers.py",
+           "milliseconds an idle server waits for requests sent together (--batch-wait-ms)"),
     EnvVar("OPENJEV_PREFIX_CACHE_MB", "operator", "4096", "serve_transformers.py",
            "device memory for cached prefix states with --prefix-reuse (--prefix-cache-mb; 0 within a step only)"),
     EnvVar("OPENJEV_MAX_QUEUED_REQUESTS", "operator", "512", "serve_transformers.py",

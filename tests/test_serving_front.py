@@ -13,6 +13,8 @@ import json
 import os
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -20,7 +22,7 @@ import numpy as np
 import psutil
 import pytest
 import requests
-from conftest import start_server, token_rows
+from conftest import REPO, start_server, token_rows
 
 from openjev import http_front as http_front
 from openjev.engine import batching
@@ -298,6 +300,36 @@ def test_small_request_behind_three_big_ones_is_served_within_two_steps(front):
         t.join()
     assert r.status_code == 200 and big_status == [200, 200, 200]
     assert after - before <= 2, f"the 1-row request waited {after - before} steps"
+
+
+def test_requests_sent_together_share_the_first_step_with_a_batch_wait(overlay, tmp_path):
+    """--batch-wait-ms: four requests sent at once to an idle server run in one step, not the first
+    alone; a request that fills the step budget by itself does not wait."""
+    srv = start_server(overlay, tmp_path / "log", "--batch-wait-ms", "2000", "--step-token-budget", "4000")
+    try:
+        steps = lambda: requests.get(f"{srv.url}/server_info").json()["counters"]["steps"]  # noqa: E731
+        status = []
+        threads = [threading.Thread(target=lambda k=k: status.append(
+            post(srv.url, "/classify", {"input_ids": [[3 + k] * 50] * 4}).status_code)) for k in range(4)]
+        start = steps()
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        for t in threads:
+            t.join()
+        assert status == [200] * 4 and steps() - start == 1
+        t0 = time.perf_counter()
+        assert post(srv.url, "/classify", {"input_ids": [[7] * 4000]}).status_code == 200
+        assert time.perf_counter() - t0 < 2.0, "a request that fills the budget waited for others"
+    finally:
+        srv.stop()
+
+
+def test_a_negative_batch_wait_is_refused_in_one_line(overlay):
+    r = subprocess.run([sys.executable, str(REPO / "app" / "serve_transformers.py"), str(overlay), "1",
+                        "--batch-wait-ms", "-1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].endswith(
+        "--batch-wait-ms must not be negative"), r.stderr
 
 
 def test_a_full_queue_answers_429_with_retry_after_and_loses_nothing(overlay, tmp_path):

@@ -224,8 +224,11 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._cv:
+                idle = not self._pending
                 while not self._pending and not self._stopping:
                     self._cv.wait()
+                if idle:
+                    self._gather_arrivals()
                 if self._stopping:
                     return
                 picked = plan_step(self._pending, self.args.step_token_budget,
@@ -237,6 +240,18 @@ class Engine:
                 self.step_running_since = None
                 self.last_progress = time.monotonic()
                 self._pending = [j for j in self._pending if not j.cancelled and j.done_rows < len(j.rows)]
+
+    def _gather_arrivals(self) -> None:
+        """Woken from idle (lock held): wait up to --batch-wait-ms for requests sent together to arrive,
+        so that they share the first step instead of the first one running alone; stop waiting as soon
+        as the queued rows fill the step budget."""
+        deadline = time.monotonic() + getattr(self.args, "batch_wait_ms", 0) / 1000
+        while not self._stopping:
+            left = deadline - time.monotonic()
+            queued = sum(len(r) for j in self._pending for r in j.rows[j.cursor:])
+            if left <= 0 or queued >= self.args.step_token_budget:
+                return
+            self._cv.wait(left)
 
     def _run_step(self, picked: list[tuple[Job, int]]) -> None:
         rows = [job.rows[i] for job, i in picked]
@@ -331,6 +346,7 @@ class Engine:
             scheduler={"kind": "token-budget fair share (fewest tokens served first), rows grouped by length "
                                "inside a step",
                        "step_token_budget": self.args.step_token_budget,
+                       "batch_wait_ms": getattr(self.args, "batch_wait_ms", 0),
                        "rows_per_forward": self.args.max_running_requests,
                        "watchdog_seconds": self.args.watchdog_seconds},
             step_token_budget=self.args.step_token_budget,
