@@ -149,10 +149,10 @@ def run_pass(step_fn, rows, steps, device):
 def main() -> int:
     args = build_parser().parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    from openjev.engine import prefix
     from openjev.engine.batching import forward_rows
     from openjev.engine.classifier import load_classifier
     from openjev.engine.kernels import kernel_path
-    from openjev.engine import prefix
     from openjev.engine.prefix import PrefixEngine
     from openjev.engine.warmup import prepare_serving
 

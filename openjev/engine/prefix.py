@@ -379,6 +379,7 @@ class PrefixEngine:
         stats = {"forwards": 0, "computed": 0, "padded": 0}
 
         torch = self.forwards.torch
+
         def forward(phase, items, want_states):
             logits_all, states_all = [None] * len(items), [None] * len(items)
             rows_cap = max(max_rows, PREFIX_TAIL_FORWARD_ROWS if phase == "tail" else PREFIX_FORWARD_ROWS)
