@@ -147,9 +147,9 @@ def main() -> int:
     if not (args.checkpoint / "config.json").is_file():
         raise UserError(f"{args.checkpoint} is not a model directory (no config.json)")
     from openjev.engine.fused import fused_mode
-    from openjev.engine.kernels import kernel_mode
+    from openjev.engine.kernels import kernel_mode, prefix_attention_mode
 
-    kernel_mode(), fused_mode()  # a typo in OPENJEV_KERNELS / OPENJEV_FUSED fails here, before the port
+    kernel_mode(), fused_mode(), prefix_attention_mode()  # a typo in one of these variables fails here, before the port
     sock = bind_listen_socket(args.host, args.port)  # refuse a busy port before anything slow happens
     allocator = release_large_allocations_to_the_os()
 

@@ -168,6 +168,48 @@ def test_prefix_attention_mode_is_checked(monkeypatch):
         prefix_attention_mode()
 
 
+def test_varlen_modes_are_checked_at_load(monkeypatch):
+    """A varlen mode where FlashAttention's varlen call cannot run is one line at load, not a failure
+    of every forward: on a CPU, and on a GPU whose probe call fails (a V100, a torch before 2.10)."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig
+
+    from openjev.common import UserError
+    from openjev.engine import attention
+
+    cfg = AutoConfig.for_model("qwen3_5_text", num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_size=64)
+    monkeypatch.delenv("OPENJEV_PREFIX_ATTENTION", raising=False)
+    assert attention.check_packed_calls(cfg, "cpu", torch.float32) is None
+    monkeypatch.setenv("OPENJEV_PREFIX_ATTENTION", "varlen-tails")
+    with pytest.raises(UserError, match=r"OPENJEV_PREFIX_ATTENTION=varlen-tails needs a CUDA device .* runs on cpu: unset it"):
+        attention.check_packed_calls(cfg, "cpu", torch.float32)
+    probe = torch.empty((1, 4, 1, 16))
+    monkeypatch.setattr(attention, "_head_probe", lambda *_: (probe, 2))  # no CUDA tensors here
+
+    def unsupported(*_):
+        raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.\nmore")
+
+    monkeypatch.setattr(attention, "_probe_varlen", unsupported)
+    with pytest.raises(UserError, match=r"varlen call does not run here \(FlashAttention only supports Ampere GPUs "
+                                        r"or newer\.\); unset it$"):
+        attention.check_packed_calls(cfg, "cuda:0", torch.float16)
+    seen = []
+    monkeypatch.setattr(attention, "_probe_varlen", lambda q, kv: seen.append((q.shape, kv)))
+    assert attention.check_packed_calls(cfg, "cuda:0", torch.float16) is True and seen == [(probe.shape, 2)]
+
+
+def test_probe_varlen_calls_the_varlen_kernel_with_two_rows(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from openjev.engine import attention
+
+    calls = []
+    monkeypatch.setattr(attention, "varlen_flash", lambda *a: calls.append(a) or varlen_reference(*a))
+    attention._probe_varlen(torch.empty((1, 4, 1, 16)), 2)
+    (q, k, v, cu_q, cu_k, max_q, max_k, scale), = calls
+    assert q.shape == (5, 4, 16) and k.shape == (9, 2, 16) and cu_q.tolist() == [0, 2, 5] and cu_k.tolist() == [0, 4, 9]
+    assert (max_q, max_k, scale) == (3, 5, 0.25)
+
+
 def test_no_shared_calls_on_a_cpu():
     torch = pytest.importorskip("torch")
     from transformers import AutoConfig

@@ -4,12 +4,15 @@ server with --prefix-reuse (/classify, /server_info, /flush_cache, /metrics)."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import requests
-from conftest import start_server
+from conftest import REPO, free_port, start_server
 
 from openjev.engine.prefix import PrefixCache, PrefixState, shared_prefixes
 
@@ -194,6 +197,18 @@ def test_server_with_prefix_reuse(overlay, tmp_path):
         assert requests.get(srv.url + "/server_info", timeout=10).json()["prefix_reuse"]["cache"]["entries"] == 0
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("mode,message", [
+    ("bogus", "OPENJEV_PREFIX_ATTENTION='bogus': expected whole-row, varlen or varlen-tails"),
+    ("varlen", "OPENJEV_PREFIX_ATTENTION=varlen needs a CUDA device (FlashAttention's varlen call); this model runs "
+               "on cpu: unset it")])
+def test_server_refuses_a_prefix_attention_it_cannot_run(overlay, mode, message):
+    """A typo fails before the port is bound; a varlen mode on a CPU fails the load with one line."""
+    proc = subprocess.run([sys.executable, str(REPO / "app" / "serve_transformers.py"), str(overlay), str(free_port()),
+                           "--prefix-reuse", "--device", "cpu"], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OPENJEV_PREFIX_ATTENTION=mode))
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
 
 
 def test_compute_bound_counts_the_tokens_the_forwards_ran():

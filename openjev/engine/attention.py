@@ -371,6 +371,40 @@ def _plan(layout: PaddedLayout, query, kv_heads: int, inner) -> RowPlan:
     return plan
 
 
+def check_packed_calls(text_config, device, dtype) -> bool | None:
+    """At load: with OPENJEV_PREFIX_ATTENTION=varlen or varlen-tails, that the variable-length call runs
+    on `device` at the model's head shape (one small call), else a one-line UserError instead of every
+    later forward failing; None with the default whole-row."""
+    from openjev.common import UserError
+    from openjev.engine.kernels import PREFIX_ATTENTION_ENV, prefix_attention_mode
+
+    mode = prefix_attention_mode()
+    if mode == "whole-row":
+        return None
+    if not str(device).startswith("cuda"):
+        raise UserError(f"{PREFIX_ATTENTION_ENV}={mode} needs a CUDA device (FlashAttention's varlen call); "
+                        f"this model runs on {device}: unset it")
+    try:
+        _probe_varlen(*_head_probe(text_config, device, dtype))
+    except Exception as exc:  # noqa: BLE001 - an old torch, a GPU FlashAttention does not support
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"{PREFIX_ATTENTION_ENV}={mode}: FlashAttention's varlen call does not run here "
+                        f"({first}); unset it") from None
+    return True
+
+
+def _probe_varlen(query, kv_heads: int) -> None:
+    """One varlen call of two short rows at the model's head shape."""
+    import torch
+
+    heads, dim = query.shape[1], query.shape[3]
+    q = torch.zeros((5, heads, dim), device=query.device, dtype=query.dtype)
+    kv = torch.zeros((9, kv_heads, dim), device=query.device, dtype=query.dtype)
+    cu_q = torch.tensor([0, 2, 5], device=query.device, dtype=torch.int32)
+    cu_k = torch.tensor([0, 4, 9], device=query.device, dtype=torch.int32)
+    varlen_flash(q, kv, kv, cu_q, cu_k, 3, 5, dim ** -0.5)
+
+
 def packed_calls_allowed(query) -> bool:
     """Whether forwards from prefix states may attend in one variable-length call (a GPU: the varlen
     kernel is FlashAttention's)."""
