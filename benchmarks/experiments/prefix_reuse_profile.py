@@ -47,7 +47,8 @@ def build_parser():
     p.add_argument("--step-tokens", type=int, default=65536, help="step token budget")
     p.add_argument("--cache-mb", type=int, default=49152)
     p.add_argument("--forward-rows", type=int, default=None,
-                   help="rows a prefix-path forward may hold (default: the engine's PREFIX_FORWARD_ROWS)")
+                   help="rows any prefix-path forward may hold, tail forwards included (default: the engine's "
+                        "PREFIX_FORWARD_ROWS and PREFIX_TAIL_FORWARD_ROWS)")
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--divergence-rows", default="", help="comma list of row indices for the module comparison")
     return p
@@ -157,7 +158,7 @@ def main() -> int:
     from openjev.engine.warmup import prepare_serving
 
     if args.forward_rows:
-        prefix.PREFIX_FORWARD_ROWS = args.forward_rows
+        prefix.PREFIX_FORWARD_ROWS = prefix.PREFIX_TAIL_FORWARD_ROWS = args.forward_rows
     clf = load_classifier(args.model, args.device)
     prepare_serving(clf, "padded", args.max_rows)
     _, rows = read_tokens(args.tokens)
@@ -165,7 +166,8 @@ def main() -> int:
     steps = list(server_steps(rows, args.batch, args.workers, args.step_tokens))  # by length (a cold pass)
     res = {"tokens_file": str(args.tokens), "rows": len(rows), "tokens": sum(map(len, rows)),
            "steps": [len(s) for s in steps], "kernel_path": kernel_path(clf.model),
-           "prefix_forward_rows": prefix.PREFIX_FORWARD_ROWS, "modes": {}}
+           "prefix_forward_rows": prefix.PREFIX_FORWARD_ROWS,
+           "prefix_tail_forward_rows": prefix.PREFIX_TAIL_FORWARD_ROWS, "modes": {}}
     print(f"{len(rows)} rows, {res['tokens']} tokens, {len(steps)} steps of {res['steps']} rows", flush=True)
     engines = {"prefix_flushed": PrefixEngine(clf, args.cache_mb << 20), "prefix_nocache": PrefixEngine(clf, 0)}
     engines["prefix_warm"] = engines["prefix_flushed"]

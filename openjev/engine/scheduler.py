@@ -248,8 +248,7 @@ class Engine:
         deadline = time.monotonic() + getattr(self.args, "batch_wait_ms", 0) / 1000
         while not self._stopping:
             left = deadline - time.monotonic()
-            queued = sum(len(r) for j in self._pending for r in j.rows[j.cursor:])
-            if left <= 0 or queued >= self.args.step_token_budget:
+            if left <= 0 or sum(len(r) for j in self._pending for r in j.rows[j.cursor:]) >= self.args.step_token_budget:
                 return
             self._cv.wait(left)
 
