@@ -22,6 +22,22 @@ queries of `alone`:
   tail_varlen       every row's tail in one varlen FlashAttention call (torch.nn.attention.varlen),
                     one split of the keys where the call takes num_splits
 
+and, since torch may choose cuDNN's attention over FlashAttention for Transformers' call on SM90:
+
+  backends          the CUDA kernels each kind of call runs (torch.profiler), per row length
+  alone_flash/alone_cudnn  the row's own call with that SDPA backend forced, against `alone`
+  tail_flash_vs_flash      tail_lower_right against the row's own call with FlashAttention forced
+  tail_wide_flash          the queries after the last 64-token boundary at or before the prefix that
+                           leaves enough query blocks for FlashAttention not to split the keys (where
+                           the whole row's call does not), against the row's own FlashAttention call
+  tail_varlen_vs_flash     tail_varlen against the row's own FlashAttention call
+  tail_cudnn               the tail's queries with cuDNN forced and the bottom-right mask, against `alone`
+  tail_cudnn_pad1          the same with one zero query put before the tail's
+  batched_cudnn_left       every case's tail in one cuDNN call with a boolean mask, keys laid out as a
+                           prefix-reuse forward has them (each row's prefix left-padded to the longest,
+                           its tail after), queries right-padded; against `alone`
+  batched_cudnn_aligned    the same with each row's keys from position 0 (right-padded)
+
 and prints, per variant, which rows are bitwise equal to `alone` (and the largest difference), then the
 time of the per-row loop against one padded call, and of the whole rows' calls against the tails'.
 Output: one JSON object (--out, else stdout).
@@ -125,6 +141,154 @@ def tail_varlen(rows, cases):
     return list(out.split([x.shape[0] for x in qs])), {k: str(v) for k, v in kw.items()}
 
 
+def forced(backend_name: str, q, k, v, mask=None):
+    """SDPA with one backend forced (FLASH_ATTENTION, CUDNN_ATTENTION, ...), [b, T, heads, dim]."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(getattr(SDPBackend, backend_name)):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None and q.shape[2] > 1, scale=q.shape[-1] ** -0.5,
+            enable_gqa=True)
+    return out.transpose(1, 2).contiguous()
+
+
+def kernel_names(fn) -> list[str]:
+    """The CUDA kernels one call of fn launches."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events() if getattr(e, "device_type", None) == DeviceType.CUDA}
+    return sorted(n[:120] for n in names)
+
+
+def wide_prefix(n: int, prefix: int, heads: int, sms: int) -> int:
+    """The last 64-token boundary at or before `prefix` that leaves FlashAttention enough query blocks
+    (heads x blocks of 64 >= 0.8 x 2 x SMs) not to split the keys of a call of the remaining queries;
+    0 where the whole row's own call splits them (the whole row is then the only match)."""
+    blocks = -(-int(1.6 * sms) // heads)  # query blocks a call needs
+    if heads * -(-n // 64) < 1.6 * sms:
+        return 0
+    return min(prefix, (n - (blocks - 1) * 64 - 1) // 64 * 64)
+
+
+def backend_variants(rows, lengths, cases, alone, heads: int) -> tuple[dict, dict]:
+    import torch
+
+    def guarded(fn):
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - a call this build does not run is a finding
+            return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+
+    from torch.nn.attention.bias import causal_lower_right
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    variants, kernels = {}, {"multi_processor_count": sms}
+    flash = [forced("FLASH_ATTENTION", *r)[0] for r in rows]
+    variants["alone_flash"] = {n: compare(a, f) for n, a, f in zip(lengths, alone, flash)}
+    variants["alone_cudnn"] = {n: guarded(lambda r=r, a=a: compare(a, forced("CUDNN_ATTENTION", *r)[0]))
+                               for n, r, a in zip(lengths, rows, alone)}
+    for n in sorted({lengths[0], 700, 1601} & set(lengths)):
+        r = rows[lengths.index(n)]
+        p = (n - 1) // 64 * 64
+        kernels[str(n)] = {
+            "alone": guarded(lambda r=r: kernel_names(lambda: sdpa(*r))),
+            "flash": guarded(lambda r=r: kernel_names(lambda: forced("FLASH_ATTENTION", *r))),
+            "tail_lower_right": guarded(lambda r=r, p=p: kernel_names(lambda: tail_lower_right(*r, p)))}
+    tail, wide, cudnn = {}, {}, {}
+    for i, p in cases:
+        n, key = lengths[i], f"{lengths[i]}@{p}"
+        q, k, v = rows[i]
+        tail[key] = guarded(lambda q=q, k=k, v=v, i=i, p=p: compare(flash[i][p:], tail_lower_right(q, k, v, p)))
+        w = wide_prefix(n, p, heads, sms)
+        wide[key] = guarded(lambda q=q, k=k, v=v, i=i, p=p, w=w: dict(
+            compare(flash[i][p:], tail_lower_right(q, k, v, w)[p - w:]), prefix_used=w))
+        cudnn[key] = guarded(lambda q=q, k=k, v=v, i=i, p=p: compare(alone[i][p:], forced(
+            "CUDNN_ATTENTION", q[:, :, p:], k, v, causal_lower_right(n - p, n))[0]))
+    variants.update(tail_flash_vs_flash=tail, tail_wide_flash=wide, tail_cudnn=cudnn)
+    outs = guarded(lambda: tail_varlen(rows, cases)[0])
+    variants["tail_varlen_vs_flash"] = outs if isinstance(outs, dict) else {
+        f"{lengths[i]}@{p}": compare(flash[i][p:], o) for (i, p), o in zip(cases, outs)}
+    return variants, kernels
+
+
+def batched_tails(rows, cases, aligned: bool, backend_name: str = "CUDNN_ATTENTION"):
+    """Every case's tail queries in one SDPA call with a boolean mask; outputs split back by case."""
+    import torch
+
+    dev = rows[0][0].device
+    tails = [rows[i][0].shape[2] - p for i, p in cases]
+    width = max(tails)
+    heads, kv_heads, dim = rows[0][0].shape[1], rows[0][1].shape[1], rows[0][0].shape[3]
+    if aligned:
+        keys = max(rows[i][1].shape[2] for i, _ in cases)
+        start = [0 for _ in cases]
+    else:
+        off = max(p for _, p in cases)
+        keys = off + width
+        start = [off - p for _, p in cases]
+    q = torch.zeros(len(cases), heads, width, dim, device=dev, dtype=torch.float16)
+    k = torch.zeros(len(cases), kv_heads, keys, dim, device=dev, dtype=torch.float16)
+    v = torch.zeros_like(k)
+    mask = torch.zeros(len(cases), 1, width, keys, device=dev, dtype=torch.bool)
+    pos = torch.arange(keys, device=dev)
+    for b, ((i, p), s0) in enumerate(zip(cases, start)):
+        rq, rk, rv = rows[i]
+        n = rk.shape[2]
+        q[b, :, : n - p] = rq[0, :, p:]
+        k[b, :, s0: s0 + n] = rk[0]
+        v[b, :, s0: s0 + n] = rv[0]
+        last = s0 + p + torch.arange(width, device=dev)  # query j sees keys up to its own position
+        mask[b, 0] = (pos[None, :] >= s0) & (pos[None, :] <= last[:, None])
+    out = forced(backend_name, q, k, v, mask)
+    return [out[b, : t] for b, t in enumerate(tails)], (q, k, v, mask)
+
+
+def batched_variants(rows, lengths, cases, alone) -> tuple[dict, dict]:
+    import torch
+
+    variants, seconds = {}, {}
+    ones = [(i, p) for i, p in cases if lengths[i] - p == 1]
+    pad1 = {}
+    for i, p in ones:
+        q, k, v = rows[i]
+        n = lengths[i]
+        try:
+            from torch.nn.attention.bias import causal_lower_right
+
+            qq = torch.cat([q.new_zeros(q.shape[:2] + (1, q.shape[3])), q[:, :, p:]], dim=2)
+            out = forced("CUDNN_ATTENTION", qq, k, v, causal_lower_right(2, n))[0][1:]
+            pad1[f"{n}@{p}"] = compare(alone[i][p:], out)
+        except Exception as exc:  # noqa: BLE001
+            pad1[f"{n}@{p}"] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+    variants["tail_cudnn_pad1"] = pad1
+    last = [(i, p) for i, p in cases if p == (lengths[i] - 1) // 64 * 64]
+    half = [(i, p) for i, p in cases if (i, p) not in last]
+    for aligned, name in ((False, "left"), (True, "aligned")):
+        for label, group in (("", last), ("_half", half)):
+            key = f"batched_cudnn_{name}{label}"
+            try:
+                outs, call = batched_tails(rows, group, aligned)
+                variants[key] = {f"{lengths[i]}@{p}": compare(alone[i][p:], o) for (i, p), o in zip(group, outs)}
+                if not label:
+                    seconds[key] = timed(lambda call=call: forced("CUDNN_ATTENTION", *call), 20)
+            except Exception as exc:  # noqa: BLE001
+                variants[key] = {"call": {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}}
+    try:
+        _, call = batched_tails(rows, last, False)
+        seconds["batched_cudnn_left_kernels"] = kernel_names(lambda: forced("CUDNN_ATTENTION", *call))
+    except Exception:  # noqa: BLE001
+        pass
+    return variants, seconds
+
+
 def timed(fn, repeats: int) -> float:
     import torch
 
@@ -186,6 +350,11 @@ def main(args: argparse.Namespace) -> int:
     except Exception as exc:  # noqa: BLE001
         report["variants"]["tail_varlen"] = {"call": {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}}
 
+    more, report["backends"] = backend_variants(rows, lengths, cases, alone, args.heads)
+    report["variants"].update(more)
+    more, report["batched_seconds"] = batched_variants(rows, lengths, cases, alone)
+    report["variants"].update(more)
+
     def loop():
         for r in rows:
             sdpa(*r)
@@ -208,6 +377,8 @@ def main(args: argparse.Namespace) -> int:
     for name, res in report["variants"].items():
         items = res if isinstance(res, list) else list(res.values())
         keys = lengths if isinstance(res, list) else list(res)
+        if not items or not isinstance(items[0], dict):
+            continue
         same = [n for n, r in zip(keys, items) if r.get("bitwise")]
         errors = sorted({r["error"] for r in items if "error" in r})
         print(f"{name}: bitwise for {len(same)}/{len(items)} rows {same}; max diff "
