@@ -88,27 +88,25 @@ def _cpu_rowwise_case(monkeypatch, torch, lengths, starts, offset):
 
 
 @pytest.mark.parametrize("lengths,starts,offset,states,alone", [c for c in CASES if c[1]])
-def test_tail_calls_give_the_whole_rows_output(monkeypatch, lengths, starts, offset, states, alone):
-    """Rows after a prefix attending with their tail's queries alone (bottom-right causal mask), on a
-    CPU where the test allows it: the whole row's call's outputs for those queries, padding zero;
-    a state-keeping call that needs its unseen zero token keeps the whole row's call."""
+def test_a_masked_call_gives_the_whole_rows_output(monkeypatch, lengths, starts, offset, states, alone):
+    """Every row of a forward from prefix states in one masked call, on a CPU where the test allows it
+    (float64, PyTorch's own kernel): each row's keys gathered to start at position 0, its queries'
+    outputs those of the row's own call, padding zero; NaN wherever a row's own call does not read
+    stays unread."""
     torch = pytest.importorskip("torch")
     attention, module, dim, (query, key, value) = _cpu_rowwise_case(monkeypatch, torch, lengths, starts, offset)
     args = (lengths, starts, offset, states)
-    used = []
-    real = attention.attend_tail
-    monkeypatch.setattr(attention, "attend_tail", lambda *a, **k: used.append(a[0].shape[2]) or real(*a, **k))
-    monkeypatch.setattr(attention, "tail_calls_allowed", lambda *_: True)
-    tails, plan = _attend(torch, args, query, key, value, module, dim)
-    assert plan.tail
-    monkeypatch.setattr(attention, "tail_calls_allowed", lambda *_: False)
+    monkeypatch.setattr(attention, "masked_calls_allowed", lambda *_: True)
+    masked, plan = _attend(torch, args, query, key, value, module, dim)
+    assert plan.masked is not None and plan.alone == [] and plan.batch is None
+    keys = plan.masked.bias.shape[-1]
+    assert keys % 64 and keys >= max(n + p for n, p in zip(lengths, starts))
+    monkeypatch.setattr(attention, "masked_calls_allowed", lambda *_: False)
     whole, plan = _attend(torch, args, query, key, value, module, dim)
-    assert not plan.tail
-    want = [n for n, p in zip(lengths, starts) if p and attention.call_length(p, n, states) == p + n]
-    assert sorted(used) == sorted(want) and want
-    torch.testing.assert_close(tails, whole, rtol=0, atol=1e-12)
+    assert plan.masked is None and plan.alone == list(range(len(lengths)))
+    torch.testing.assert_close(masked, whole, rtol=0, atol=1e-12)
     for j, n in enumerate(lengths):
-        assert not tails[j, n:].any()
+        assert not masked[j, n:].any()
 
 
 PACKED_CASES = [c[:4] for c in CASES if c[1]] + [([5, 70, 1], [0, 0, 0], 0, True)]
@@ -122,7 +120,7 @@ def test_packed_rows_give_the_whole_rows_output(monkeypatch, lengths, starts, of
     torch = pytest.importorskip("torch")
     attention, module, dim, (query, key, value) = _cpu_rowwise_case(monkeypatch, torch, lengths, starts, offset)
     args = (lengths, starts, offset, states)
-    monkeypatch.setattr(attention, "tail_calls_allowed", lambda *_: False)
+    monkeypatch.setattr(attention, "masked_calls_allowed", lambda *_: False)
     whole, plan = _attend(torch, args, query, key, value, module, dim)
     assert plan.packed is None
     monkeypatch.setenv("OPENJEV_PREFIX_ATTENTION", "varlen")
@@ -214,11 +212,11 @@ def test_no_shared_calls_on_a_cpu():
     torch = pytest.importorskip("torch")
     from transformers import AutoConfig
 
-    from openjev.engine.attention import check_batching, check_tail_calls
+    from openjev.engine.attention import check_batching, check_masked_calls
 
     cfg = AutoConfig.for_model("qwen3_5_text", num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_size=64)
     assert check_batching(cfg, "cpu", torch.float32) is None
-    assert check_tail_calls(cfg, "cpu", torch.float32) is None
+    assert check_masked_calls(cfg, "cpu", torch.float32) is None
 
 
 @pytest.mark.gpu
@@ -261,30 +259,32 @@ def _gpu_prefix_cases(torch, heads, kv_heads, dim):
 
 
 @pytest.mark.gpu
-def test_tail_calls_on_a_gpu_are_bitwise_where_the_check_allows(monkeypatch):
-    """At Qwen3.5-4B's attention shape in FP16: where the device check lets rows after a prefix attend
-    with their tail's queries alone, each row gets the whole row's call's bits."""
+def test_a_masked_call_on_a_gpu_is_bitwise_the_rows_own_calls_where_the_check_allows(monkeypatch):
+    """At Qwen3.5-4B's attention shape in FP16: where the device check lets the rows of a forward from
+    prefix states share one masked call (cuDNN's attention, which torch picks for the rows' own calls
+    on SM90), each row gets its own call's bits."""
     torch = pytest.importorskip("torch")
     monkeypatch.delenv("OPENJEV_PREFIX_ATTENTION", raising=False)
     if not torch.cuda.is_available():
-        pytest.skip("no CUDA device: FlashAttention is a GPU kernel")
+        pytest.skip("no CUDA device: cuDNN's attention is a GPU kernel")
     from openjev.engine import attention
 
     attention.rowwise_attention()
     heads, kv_heads, dim = 16, 4, 256
     probe = torch.empty((1, heads, 1, dim), device="cuda", dtype=torch.float16)
-    if not attention.tail_calls_are_exact(probe, kv_heads, attention._INNER[0]):
-        pytest.skip("the device check found tail-only calls not bitwise here, so the whole row's call runs")
+    if not attention.masked_calls_are_exact(probe, kv_heads, attention._INNER[0]):
+        pytest.skip("the device check found one masked call not bitwise here, so each row gets its own call")
     module = attention._CheckModule(heads // kv_heads)
     for args, (query, key, value) in _gpu_prefix_cases(torch, heads, kv_heads, dim):
         lengths = args[0]
-        tails, plan = _attend(torch, args, query, key, value, module, dim)
-        assert plan.tail
+        masked, plan = _attend(torch, args, query, key, value, module, dim)
+        assert plan.masked is not None
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(attention, "tail_calls_allowed", lambda *_: False)
+            mp.setattr(attention, "masked_calls_allowed", lambda *_: False)
             whole, _ = _attend(torch, args, query, key, value, module, dim)
         for j, n in enumerate(lengths):
-            assert torch.equal(tails[j, :n], whole[j, :n]), (args, j, float((tails[j, :n] - whole[j, :n]).abs().max()))
+            assert torch.equal(masked[j, :n], whole[j, :n]), (args, j, float((masked[j, :n] - whole[j, :n]).abs().max()))
+            assert not masked[j, n:].any()
 
 
 @pytest.mark.gpu
@@ -303,7 +303,7 @@ def test_packed_rows_on_a_gpu_are_within_a_unit_of_the_whole_rows_calls(monkeypa
     for args, (query, key, value) in _gpu_prefix_cases(torch, heads, kv_heads, dim):
         lengths = args[0]
         with monkeypatch.context() as mp:
-            mp.setattr(attention, "tail_calls_allowed", lambda *_: False)
+            mp.setattr(attention, "masked_calls_allowed", lambda *_: False)
             mp.delenv("OPENJEV_PREFIX_ATTENTION", raising=False)
             whole, _ = _attend(torch, args, query, key, value, module, dim)
             mp.setenv("OPENJEV_PREFIX_ATTENTION", "varlen")

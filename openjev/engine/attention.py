@@ -3,13 +3,15 @@
 A right-padded forward (classifier.padded_logits, prefix.ContinuationForwards) declares its layout
 (`padded_layout`); Transformers' "sdpa" attention function, wrapped once (`rowwise_attention`), then
 gives every row the output of the call an unpadded forward of that row makes: causal, no mask,
-FlashAttention on a GPU. A row that goes on from a prefix state runs the whole row's call with the
-prefix's queries zeroed (`attend_after_prefix`), or, where a check at load found it bitwise that
-call on the device, its tail's queries alone with the causal mask aligned to the bottom right
-(`attend_tail`). With OPENJEV_PREFIX_ATTENTION=varlen (opt-in, GPU only), forwards from prefix states
-instead attend in one variable-length FlashAttention call a layer (`PackedRows`): faster, and within
-about one unit in the last place of each output, not bit for bit; varlen-tails does so only in
-forwards that keep no state, so no cached state carries the difference.
+FlashAttention or cuDNN's attention on a GPU, whichever torch picks. A row that goes on from a
+prefix state runs the whole row's call with the prefix's queries zeroed (`attend_after_prefix`), or,
+where a check at load found it bitwise those calls on the device, every row of the forward shares
+one masked call (`MaskedRows`: on SM90 torch runs cuDNN's attention for both, and a row's keys
+gathered to start at position 0 keep its own call's bits). With OPENJEV_PREFIX_ATTENTION=varlen
+(opt-in, GPU only), forwards from prefix states instead attend in one variable-length FlashAttention
+call a layer (`PackedRows`): within about one unit in the last place of each output, not bit for
+bit; varlen-tails does so only in forwards that keep no state, so no cached state carries the
+difference.
 
 With OPENJEV_PADDED_ATTENTION=shared (opt-in), rows whose call length is not a multiple of 64 (the
 kernel's whole-tiles variant rounds differently) share one call, padded with zeros to the longest:
@@ -123,6 +125,9 @@ def rowwise_attention() -> str:
         if plan.packed is not None:
             plan.packed.attend(query, key, value, out, kwargs.get("scaling"))
             return out, None
+        if plan.masked is not None:
+            plan.masked.attend(query, key, value, out, kwargs.get("scaling"))
+            return out, None
         if plan.batch is not None:  # first: a direct call writes every row, the rows alone then their own
             plan.batch.attend(inner, module, query, key, value, out, **kwargs)
         odd = layout.per_row_states  # a state-keeping forward stops on a 64-token boundary inside the row
@@ -132,8 +137,6 @@ def rowwise_attention() -> str:
             length = call_length(p, n, odd)
             if length == n:  # the row's own unpadded call
                 row = inner(module, q, k, v, None, **kwargs)[0]
-            elif plan.tail and length == p + n:  # the tail's queries alone, where checked bitwise
-                row = attend_tail(q, k, v, **kwargs)
             else:
                 row = attend_after_prefix(inner, module, q, k, v, p, keep_odd=odd, **kwargs)
             out[j:j + 1, :n] = row
@@ -165,28 +168,12 @@ def attend_after_prefix(inner, module, query, key, value, prefix: int, keep_odd:
     return inner(module, queries, key, value, None, **kwargs)[0][:, prefix:total]
 
 
-def attend_tail(query, key, value, **kwargs):
-    """One row's n queries after a prefix over the prefix's keys and its own, in [1, n, heads, dim]:
-    FlashAttention with the causal mask aligned to the bottom right (the last query sees every key),
-    so the prefix's queries are not computed. Used only where tail_calls_are_exact found it bitwise
-    the whole row's call."""
-    import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.attention.bias import causal_lower_right
-
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=causal_lower_right(query.shape[2], key.shape[2]),
-            scale=kwargs.get("scaling"), enable_gqa=True)
-    return out.transpose(1, 2)
-
-
 @dataclass
 class RowPlan:
     alone: list          # rows that get their own call
     batch: "BatchedRows | DirectRows | None"
-    tail: bool = False   # rows after a prefix attend with their tail's queries alone (attend_tail)
     packed: "PackedRows | None" = None  # every row in one variable-length call (OPENJEV_PREFIX_ATTENTION=varlen)
+    masked: "MaskedRows | None" = None  # every row in one masked call, where checked bitwise
 
 
 def varlen_flash(query, key, value, cu_q, cu_k, max_q: int, max_k: int, scale):
@@ -254,6 +241,54 @@ class PackedRows:
         k, v = key[self.k_rows, :, self.k_pos], value[self.k_rows, :, self.k_pos]
         res = varlen_flash(q, k, v, self.cu_q, self.cu_k, self.max_q, self.max_k, scale)
         out[self.q_rows, self.q_pos] = res.to(out.dtype)
+
+
+@dataclass
+class MaskedRows:
+    """Every row of a forward from prefix states in one SDPA call with an additive mask: row j's keys
+    gathered from the left-padded cache so that they start at position 0 (its prefix's, then its
+    own; positions past them repeat its first key, masked), each query seeing the keys up to its own
+    position. Index tensors and mask are made on the device once a forward and used by every
+    attention layer. With the keys of every row starting on the same tile, cuDNN's attention gives
+    each row's queries the bits of the row's own causal call (measured on an H100,
+    benchmarks/experiments/attention_batching_check.py); used only where masked_calls_are_exact
+    found that on the device. The key count is kept off a multiple of 64, as the measured calls were."""
+
+    k_rows: object   # [rows, keys] the row of each gathered key
+    k_pos: object    # [rows, keys] its position in the cache's keys
+    bias: object     # [rows, 1, width, keys] 0 where a query sees a key, -inf elsewhere
+    q_real: object   # [rows, width] bool: a real query
+
+    @classmethod
+    def build(cls, layout: PaddedLayout, width_q: int, device, dtype) -> "MaskedRows":
+        import torch
+
+        starts = layout.starts or (0,) * len(layout.lengths)
+        keys = max(p + n for n, p in zip(layout.lengths, starts))
+        keys += int(keys % FLASH_QUERY_TILE == 0)
+        p = torch.tensor(starts, device=device)[:, None]
+        n = torch.tensor(layout.lengths, device=device)[:, None]
+        t = torch.arange(keys, device=device)[None, :]
+        q = torch.arange(width_q, device=device)[None, :]
+        sees = t[:, None, :] <= (p + q)[:, :, None]  # [rows, width, keys]
+        bias = torch.zeros(sees.shape, device=device, dtype=dtype).masked_fill_(~sees, float("-inf"))
+        return cls(k_rows=torch.arange(len(layout.lengths), device=device)[:, None].expand(-1, keys),
+                   k_pos=layout.offset - p + torch.where(t < p + n, t, 0), bias=bias[:, None], q_real=q < n)
+
+    def attend(self, query, key, value, out, scale) -> None:
+        """query [rows, heads, width, dim], key/value [rows, kv heads, offset + width, dim] as
+        Transformers' SDPA function gets them; out [rows, width, heads, dim] gets every real query,
+        zeros elsewhere."""
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        k = key[self.k_rows, :, self.k_pos].transpose(1, 2)  # [rows, kv heads, keys, dim]
+        v = value[self.k_rows, :, self.k_pos].transpose(1, 2)
+        backends = [SDPBackend.CUDNN_ATTENTION] if query.is_cuda else [SDPBackend.MATH]
+        with sdpa_kernel(backends):
+            res = torch.nn.functional.scaled_dot_product_attention(
+                query, k, v, attn_mask=self.bias, scale=scale, enable_gqa=k.shape[1] != query.shape[1])
+        out.copy_(res.transpose(1, 2).masked_fill(~self.q_real[:, :, None, None], 0))
 
 
 @dataclass
@@ -353,6 +388,10 @@ def _plan(layout: PaddedLayout, query, kv_heads: int, inner) -> RowPlan:
         plan = RowPlan([], None, packed=PackedRows.build(layout, query.device))
         layout.plans[key] = plan
         return plan
+    if layout.starts is not None and masked_calls_allowed(query, kv_heads, inner):
+        plan = RowPlan([], None, masked=MaskedRows.build(layout, query.shape[2], query.device, query.dtype))
+        layout.plans[key] = plan
+        return plan
     rows = list(range(len(layout.lengths)))
     may_share = len(rows) > 1 and padded_attention_mode() == "shared" and shared_calls_allowed(query, kv_heads, inner)
     batched = [j for j, c in enumerate(layout.call_lengths()) if c % FLASH_QUERY_TILE] if may_share else []
@@ -365,8 +404,7 @@ def _plan(layout: PaddedLayout, query, kv_heads: int, inner) -> RowPlan:
         batch = DirectRows.build(layout, batched, query.device)
     elif batched:
         batch = BatchedRows.build(layout, batched, query.shape[2], query.device)
-    tail = any(layout.starts or ()) and tail_calls_allowed(query, kv_heads, inner)
-    plan = RowPlan(alone, batch, tail)
+    plan = RowPlan(alone, batch)
     layout.plans[key] = plan
     return plan
 
@@ -411,10 +449,10 @@ def packed_calls_allowed(query) -> bool:
     return bool(query.is_cuda)
 
 
-def tail_calls_allowed(query, kv_heads: int, inner) -> bool:
-    """Whether rows after a prefix may attend with their tail's queries alone on this device (checked,
-    see tail_calls_are_exact)."""
-    return bool(query.is_cuda) and tail_calls_are_exact(query, kv_heads, inner)
+def masked_calls_allowed(query, kv_heads: int, inner) -> bool:
+    """Whether the rows of a forward from prefix states may share one masked call on this device
+    (checked, see masked_calls_are_exact)."""
+    return bool(query.is_cuda) and masked_calls_are_exact(query, kv_heads, inner)
 
 
 def shared_calls_allowed(query, kv_heads: int, inner) -> bool:
@@ -498,39 +536,57 @@ def batched_rows_are_exact(query, kv_heads, inner) -> bool:
     return ok
 
 
-# (row length, prefix) pairs of the tail check: prefixes on 64-token boundaries, tails of 1 to 64
-# tokens (a warm pass) and longer ones
-TAIL_CHECK_CASES = ((130, 64), (130, 128), (700, 640), (1100, 512), (1601, 1536), (1601, 64))
+# Forwards of the masked-call check, as (tail lengths, prefix lengths, per-row states): a warm pass's
+# tails of 1 to 64 tokens beside a row with no prefix, longer tails, and a state-keeping forward whose
+# rows stop on 64-token boundaries (calls of a whole number of tiles)
+MASKED_CHECK_FORWARDS = (
+    ((2, 1, 60, 64, 1, 28, 37), (128, 256, 640, 960, 1600, 1472, 0), False),
+    ((588, 833, 136, 320), (512, 768, 64, 320), False),
+    ((448, 128, 64, 700), (64, 1024, 0, 0), True),
+)
 
 
-def check_tail_calls(text_config, device, dtype) -> bool | None:
-    """At load: whether forwards from prefix states on `device` may attend with the tail's queries
-    alone (tail_calls_are_exact on the model's head shape); None on a CPU."""
+def check_masked_calls(text_config, device, dtype) -> bool | None:
+    """At load: whether forwards from prefix states on `device` may share one masked attention call
+    (masked_calls_are_exact on the model's head shape); None on a CPU."""
     if not str(device).startswith("cuda") or not _INNER:
         return None
-    return tail_calls_are_exact(*_head_probe(text_config, device, dtype), _INNER[0])
+    return masked_calls_are_exact(*_head_probe(text_config, device, dtype), _INNER[0])
 
 
 @once_per_shape
-def tail_calls_are_exact(query, kv_heads, inner) -> bool:
-    """Whether, on this device, attend_tail gives the tail queries' outputs of the whole row's call
-    bit for bit: checked on random rows of TAIL_CHECK_CASES."""
+def masked_calls_are_exact(query, kv_heads, inner) -> bool:
+    """Whether, on this device, MaskedRows gives every row of MASKED_CHECK_FORWARDS (random queries,
+    keys and values in the left-padded layout of a forward from prefix states) the bits of the row's
+    own call (attend_after_prefix, what the forward runs otherwise)."""
     import torch
 
     module = _CheckModule(query.shape[1] // kv_heads)
     scaling = query.shape[3] ** -0.5
+    gen = torch.Generator(device=query.device).manual_seed(0)
     ok = True
     try:
         with torch.inference_mode():
-            rows = _random_rows(query, kv_heads, [n for n, _ in TAIL_CHECK_CASES])
-            for (q, k, v), (_, p) in zip(rows, TAIL_CHECK_CASES):
-                whole = inner(module, q, k, v, None, scaling=scaling)[0]
-                ok = ok and torch.equal(whole[:, p:], attend_tail(q[:, :, p:], k, v, scaling=scaling))
-    except Exception as exc:  # noqa: BLE001 - no FlashAttention (or no bottom-right mask) for this device
-        log.info("tail-only attention calls not available: %s", str(exc).splitlines()[0] if str(exc) else exc)
+            for lengths, starts, states in MASKED_CHECK_FORWARDS:
+                off, width = max(starts), max(lengths)
+
+                def rand(heads, n):
+                    return torch.randn((len(lengths), heads, n, query.shape[3]), device=query.device,
+                                       dtype=query.dtype, generator=gen)
+
+                q, k, v = rand(query.shape[1], width), rand(kv_heads, off + width), rand(kv_heads, off + width)
+                layout = PaddedLayout(lengths, starts, off, states)
+                out = q.new_zeros((len(lengths), width, q.shape[1], q.shape[3]))
+                MaskedRows.build(layout, width, q.device, q.dtype).attend(q, k, v, out, scaling)
+                for j, (n, p) in enumerate(zip(lengths, starts)):
+                    own = attend_after_prefix(inner, module, q[j:j + 1, :, :n], k[j:j + 1, :, off - p: off + n],
+                                              v[j:j + 1, :, off - p: off + n], p, keep_odd=states, scaling=scaling)
+                    ok = ok and torch.equal(out[j:j + 1, :n], own)
+    except Exception as exc:  # noqa: BLE001 - no cuDNN attention (or no mask support) on this device
+        log.info("masked attention calls not available: %s", str(exc).splitlines()[0] if str(exc) else exc)
         ok = False
     if not ok:
-        log.info("tail-only attention calls are not the whole row's bits here: the prefix's queries run too")
+        log.info("one masked attention call is not the rows' own calls' bits here: a call a row")
     return ok
 
 
