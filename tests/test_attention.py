@@ -7,13 +7,13 @@ import pytest
 
 from openjev_testsupport.varlen_reference import varlen_reference
 
-# (row lengths, prefix lengths, offset of the cached keys, per-row states) and the rows that keep their
-# own call: a call of a whole number of 64-token tiles
+# (row lengths, prefix lengths, offset of the cached keys, per-row states, the whole rows' calls) and the
+# rows that keep their own call: a call of a whole number of 64-token tiles
 CASES = [
-    ([70, 5, 130, 64], None, 0, False, [3]),
-    ([3, 70, 64], [64, 0, 128], 128, True, []),   # 64 + 128 = 192 tokens: one unseen zero token more
-    ([1, 30, 64], [128, 64, 0], 128, False, [2]),
-    ([64, 5, 128], None, 0, True, []),   # no prefix state, calls of 65, 5 and 129 tokens: one past the tensors
+    ([70, 5, 130, 64], None, 0, False, None, [3]),
+    ([3, 70, 64], [64, 0, 128], 128, True, [200, 300, 257], []),  # state-keeping: calls past the tokens
+    ([1, 30, 64], [128, 64, 0], 128, False, None, [2]),
+    ([64, 5, 128], None, 0, True, [100, 5, 150], []),  # no prefix state, calls past the tensors
 ]
 
 
@@ -22,8 +22,8 @@ def _attend(torch, layout_args, query, key, value, module, dim):
 
     from openjev.engine.attention import current_layout, padded_layout
 
-    lengths, starts, offset, states = layout_args
-    with padded_layout(lengths, starts, offset, per_row_states=states):
+    lengths, starts, offset, states, calls = (tuple(layout_args) + (None,))[:5]
+    with padded_layout(lengths, starts, offset, per_row_states=states, calls=calls):
         out, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, None, scaling=dim ** -0.5)
         plans = list(current_layout().plans.values())
     return out, plans[0] if plans else None
@@ -46,8 +46,8 @@ def _rows(torch, lengths, offset, heads, kv_heads, dim, dtype, device, starts=No
     return query, key, value
 
 
-@pytest.mark.parametrize("lengths,starts,offset,states,alone", CASES)
-def test_rows_sharing_a_call_get_their_own_calls_output(monkeypatch, lengths, starts, offset, states, alone):
+@pytest.mark.parametrize("lengths,starts,offset,states,calls,alone", CASES)
+def test_rows_sharing_a_call_get_their_own_calls_output(monkeypatch, lengths, starts, offset, states, calls, alone):
     """The shared call's plumbing on a CPU (float64, where a shared call is allowed for the test):
     each row's queries, keys and values placed from the padded layout (or, with no prefix state, taken
     as they stand), its outputs put back, padding positions zero; rows of a whole number of tiles keep
@@ -61,7 +61,7 @@ def test_rows_sharing_a_call_get_their_own_calls_output(monkeypatch, lengths, st
     heads, kv_heads, dim = 4, 2, 8
     module = attention._CheckModule(heads // kv_heads)
     query, key, value = _rows(torch, lengths, offset, heads, kv_heads, dim, torch.float64, "cpu", starts, nan_outside=True)
-    args = (lengths, starts, offset, states)
+    args = (lengths, starts, offset, states, calls)
     monkeypatch.setattr(attention, "shared_calls_allowed", lambda *_: True)
     shared, plan = _attend(torch, args, query, key, value, module, dim)
     assert plan is not None and plan.batch is not None and plan.alone == alone
@@ -87,29 +87,24 @@ def _cpu_rowwise_case(monkeypatch, torch, lengths, starts, offset):
     return attention, attention._CheckModule(heads // kv_heads), dim, rows
 
 
-@pytest.mark.parametrize("lengths,starts,offset,states,alone", [c for c in CASES if c[1]])
-def test_a_masked_call_gives_the_whole_rows_output(monkeypatch, lengths, starts, offset, states, alone):
-    """Every row of a forward from prefix states in one masked call, on a CPU where the test allows it
-    (float64, PyTorch's own kernel): each row's keys gathered to start at position 0, its queries'
-    outputs those of the row's own call, padding zero; NaN wherever a row's own call does not read
-    stays unread."""
+PACKED_CASES = [c[:4] for c in CASES if c[1]] + [([5, 70, 1], [0, 0, 0], 0, True)]
+
+
+@pytest.mark.parametrize("lengths,starts,offset,states,calls,alone", [c for c in CASES if c[4]])
+def test_a_row_attends_with_its_whole_rows_call_length(monkeypatch, lengths, starts, offset, states, calls, alone):
+    """Each row's own call is its whole row's length, the positions past its tokens zeros: on a CPU
+    (float64) its outputs are those of the call of its prefix and tokens alone, padding zero."""
     torch = pytest.importorskip("torch")
     attention, module, dim, (query, key, value) = _cpu_rowwise_case(monkeypatch, torch, lengths, starts, offset)
-    args = (lengths, starts, offset, states)
-    monkeypatch.setattr(attention, "masked_calls_allowed", lambda *_: True)
-    masked, plan = _attend(torch, args, query, key, value, module, dim)
-    assert plan.masked is not None and plan.alone == [] and plan.batch is None
-    keys = plan.masked.bias.shape[-1]
-    assert keys % 64 and keys >= max(n + p for n, p in zip(lengths, starts))
-    monkeypatch.setattr(attention, "masked_calls_allowed", lambda *_: False)
-    whole, plan = _attend(torch, args, query, key, value, module, dim)
-    assert plan.masked is None and plan.alone == list(range(len(lengths)))
-    torch.testing.assert_close(masked, whole, rtol=0, atol=1e-12)
+    seen = []
+    real = attention.attend_after_prefix
+    monkeypatch.setattr(attention, "attend_after_prefix", lambda *a, **k: seen.append(k["call"]) or real(*a, **k))
+    whole, _ = _attend(torch, (lengths, starts, offset, states, calls), query, key, value, module, dim)
+    assert seen == [c for c, n in zip(calls, lengths) if c != n]
+    short, _ = _attend(torch, (lengths, starts, offset, states, None), query, key, value, module, dim)
+    torch.testing.assert_close(whole, short, rtol=0, atol=1e-12)
     for j, n in enumerate(lengths):
-        assert not masked[j, n:].any()
-
-
-PACKED_CASES = [c[:4] for c in CASES if c[1]] + [([5, 70, 1], [0, 0, 0], 0, True)]
+        assert not whole[j, n:].any()
 
 
 @pytest.mark.parametrize("lengths,starts,offset,states", PACKED_CASES)
@@ -120,7 +115,6 @@ def test_packed_rows_give_the_whole_rows_output(monkeypatch, lengths, starts, of
     torch = pytest.importorskip("torch")
     attention, module, dim, (query, key, value) = _cpu_rowwise_case(monkeypatch, torch, lengths, starts, offset)
     args = (lengths, starts, offset, states)
-    monkeypatch.setattr(attention, "masked_calls_allowed", lambda *_: False)
     whole, plan = _attend(torch, args, query, key, value, module, dim)
     assert plan.packed is None
     monkeypatch.setenv("OPENJEV_PREFIX_ATTENTION", "varlen")
@@ -212,11 +206,10 @@ def test_no_shared_calls_on_a_cpu():
     torch = pytest.importorskip("torch")
     from transformers import AutoConfig
 
-    from openjev.engine.attention import check_batching, check_masked_calls
+    from openjev.engine.attention import check_batching
 
     cfg = AutoConfig.for_model("qwen3_5_text", num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_size=64)
     assert check_batching(cfg, "cpu", torch.float32) is None
-    assert check_masked_calls(cfg, "cpu", torch.float32) is None
 
 
 @pytest.mark.gpu
@@ -259,35 +252,6 @@ def _gpu_prefix_cases(torch, heads, kv_heads, dim):
 
 
 @pytest.mark.gpu
-def test_a_masked_call_on_a_gpu_is_bitwise_the_rows_own_calls_where_the_check_allows(monkeypatch):
-    """At Qwen3.5-4B's attention shape in FP16: where the device check lets the rows of a forward from
-    prefix states share one masked call (cuDNN's attention, which torch picks for the rows' own calls
-    on SM90), each row gets its own call's bits."""
-    torch = pytest.importorskip("torch")
-    monkeypatch.delenv("OPENJEV_PREFIX_ATTENTION", raising=False)
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device: cuDNN's attention is a GPU kernel")
-    from openjev.engine import attention
-
-    attention.rowwise_attention()
-    heads, kv_heads, dim = 16, 4, 256
-    probe = torch.empty((1, heads, 1, dim), device="cuda", dtype=torch.float16)
-    if not attention.masked_calls_are_exact(probe, kv_heads, attention._INNER[0]):
-        pytest.skip("the device check found one masked call not bitwise here, so each row gets its own call")
-    module = attention._CheckModule(heads // kv_heads)
-    for args, (query, key, value) in _gpu_prefix_cases(torch, heads, kv_heads, dim):
-        lengths = args[0]
-        masked, plan = _attend(torch, args, query, key, value, module, dim)
-        assert plan.masked is not None
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(attention, "masked_calls_allowed", lambda *_: False)
-            whole, _ = _attend(torch, args, query, key, value, module, dim)
-        for j, n in enumerate(lengths):
-            assert torch.equal(masked[j, :n], whole[j, :n]), (args, j, float((masked[j, :n] - whole[j, :n]).abs().max()))
-            assert not masked[j, n:].any()
-
-
-@pytest.mark.gpu
 def test_packed_rows_on_a_gpu_are_within_a_unit_of_the_whole_rows_calls(monkeypatch):
     """At Qwen3.5-4B's attention shape in FP16, OPENJEV_PREFIX_ATTENTION=varlen: every row of a forward
     from prefix states in one FlashAttention varlen call, against the whole row's calls: not bit for
@@ -303,7 +267,6 @@ def test_packed_rows_on_a_gpu_are_within_a_unit_of_the_whole_rows_calls(monkeypa
     for args, (query, key, value) in _gpu_prefix_cases(torch, heads, kv_heads, dim):
         lengths = args[0]
         with monkeypatch.context() as mp:
-            mp.setattr(attention, "masked_calls_allowed", lambda *_: False)
             mp.delenv("OPENJEV_PREFIX_ATTENTION", raising=False)
             whole, _ = _attend(torch, args, query, key, value, module, dim)
             mp.setenv("OPENJEV_PREFIX_ATTENTION", "varlen")

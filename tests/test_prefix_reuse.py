@@ -70,6 +70,45 @@ def test_shared_prefixes_groups_rows_by_their_longest_shared_prefix():
     assert shared_prefixes(rows, [128, 0, 64, 0, 0], [len(r) - 1 for r in rows], 32) == {1: 192, 3: 192}
 
 
+def test_attention_class_follows_flashattentions_key_split():
+    """16 heads of 256 on 132 SMs (an H100 or H200): calls of up to 13 query blocks (832 tokens) split
+    their keys, by their number of key blocks; whole tiles are a class of their own."""
+    from openjev.engine.attention import attention_class
+
+    def cls(n):
+        return attention_class(n, 16, 256, 132)
+
+    assert cls(832) == (True, False, 13) and cls(833) == (False, False, 0)
+    assert cls(901) == cls(1500) != cls(1024) != cls(1088)
+    assert cls(394) == cls(405) == cls(416) != cls(327) != cls(319)
+    assert attention_class(500, 32, 256, 132) == (False, False, 0)  # 32 heads fill the GPU sooner
+    assert attention_class(300, 16, 128, 132)[2] == 3  # 128-key blocks for heads of 128
+
+
+def test_rows_share_prefix_states_only_within_their_attention_group(clf):
+    """Rows of one option group whose whole attention calls differ in class run their shared prefix
+    apart and cache it apart; every forward's rows attend with their whole row's call length."""
+    from openjev.engine.classifier import score_exact
+    from openjev.engine.prefix import PrefixEngine
+
+    rows = _rows(clf.vocab_size)
+    ref = score_exact(clf, rows)
+    one = PrefixEngine(clf, 64 << 20, min_tokens=16)
+    split = PrefixEngine(clf, 64 << 20, min_tokens=16)
+    split.classes = lambda n: bytes([n % 2])  # two classes, as a GPU's key split makes them
+    seen = []
+    run = split.forwards.run
+    split.forwards.run = lambda items, want: seen.extend(
+        (s.length if s is not None else 0, len(t), c) for s, t, c in items) or run(items, want)
+    together, apart = one.run_step(rows, max_rows=8), split.run_step(rows, max_rows=8)
+    assert np.abs(apart.logits - ref).max() <= TOL
+    assert apart.computed_tokens > together.computed_tokens
+    assert all(p + n <= c for p, n, c in seen) and any(p + n < c for p, n, c in seen)
+    assert sorted(c for p, n, c in seen if p + n == c) == sorted(map(len, rows))  # the tails end their rows
+    warm = split.run_step(rows, max_rows=8)
+    assert warm.computed_tokens == tails(rows) and np.abs(warm.logits - ref).max() <= TOL
+
+
 def _rows(vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
 
@@ -267,6 +306,32 @@ def test_padding_inert_chunk_gives_each_padded_row_its_own_final_state():
 
 
 @pytest.mark.gpu
+def test_calls_of_one_attention_class_give_a_shared_prefix_the_same_bits():
+    """At Qwen3.5-4B's attention shape in FP16, two rows that share a prefix and whose whole causal
+    calls are of one attention class get the same outputs on the prefix's positions, bit for bit."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: FlashAttention is a GPU kernel")
+    from openjev.engine.attention import attention_class
+
+    heads, kv_heads, dim = 16, 4, 256
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, heads, 1600, dim, device="cuda", dtype=torch.float16, generator=gen)
+    k, v = (torch.randn(1, kv_heads, 1600, dim, device="cuda", dtype=torch.float16, generator=gen) for _ in range(2))
+
+    def call(n):
+        out = torch.nn.functional.scaled_dot_product_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], is_causal=True,
+                                                               scale=dim ** -0.5, enable_gqa=True)
+        return out.transpose(1, 2)
+
+    for a, b in [(394, 416), (130, 190), (900, 1500), (1025, 1100), (650, 700)]:
+        assert attention_class(a, heads, dim, sms) == attention_class(b, heads, dim, sms), (a, b, sms)
+        p = min(a, b) // 64 * 64
+        assert torch.equal(call(a)[:, :p], call(b)[:, :p]), (a, b)
+
+
+@pytest.mark.gpu
 def test_attention_after_a_prefix_is_bitwise_the_whole_rows_causal_attention():
     """A continuation's attention (its queries after a prefix ending on a 64-token boundary, the
     prefix's keys and its own) against the whole row's causal SDPA call, the call an exact forward
@@ -294,5 +359,5 @@ def test_attention_after_a_prefix_is_bitwise_the_whole_rows_causal_attention():
         for start in (0, prefix - 64):
             stop = prefix  # the tile boundary the forward stops on
             cut = attend_after_prefix(inner, None, q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop], start,
-                                       keep_odd=True, scaling=dim ** -0.5)
+                                       call=prefix + n, scaling=dim ** -0.5)
             assert torch.equal(cut, whole[:, start:stop]), (start, stop, float((cut - whole[:, start:stop]).abs().max()))

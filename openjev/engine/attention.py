@@ -3,11 +3,12 @@
 A right-padded forward (classifier.padded_logits, prefix.ContinuationForwards) declares its layout
 (`padded_layout`); Transformers' "sdpa" attention function, wrapped once (`rowwise_attention`), then
 gives every row the output of the call an unpadded forward of that row makes: causal, no mask,
-FlashAttention or cuDNN's attention on a GPU, whichever torch picks. A row that goes on from a
-prefix state runs the whole row's call with the prefix's queries zeroed (`attend_after_prefix`), or,
-where a check at load found it bitwise those calls on the device, every row of the forward shares
-one masked call (`MaskedRows`: on SM90 torch runs cuDNN's attention for both, and a row's keys
-gathered to start at position 0 keep its own call's bits). With OPENJEV_PREFIX_ATTENTION=varlen
+FlashAttention on a GPU. A row that goes on from a prefix state runs the call its whole row's
+forward makes, with zeros for the queries the forward does not hold and for the keys it has not
+reached (`attend_after_prefix`): FlashAttention's arithmetic for a query depends on the call's length
+(whole tiles or not; where the call's query blocks do not fill the GPU, into how many splits the keys
+go), so only the whole row's length gives every query its bits, and a prefix state is shared only
+between rows whose calls agree on that (`attention_class`). With OPENJEV_PREFIX_ATTENTION=varlen
 (opt-in, GPU only), forwards from prefix states instead attend in one variable-length FlashAttention
 call a layer (`PackedRows`): within about one unit in the last place of each output, not bit for
 bit; varlen-tails does so only in forwards that keep no state, so no cached state carries the
@@ -46,29 +47,38 @@ CHECK_LENGTHS = (37, 130, 300, 700, 1100, 1601)
 @dataclass(frozen=True)
 class PaddedLayout:
     """The right-padded forward running in this thread: each row's real length, and for rows that go
-    on from a prefix state (openjev/engine/prefix.py) the prefix length and where the cached keys end
-    (prefixes are left-padded to `offset`); per_row_states asks for each row's own final GDN state,
-    `valid` (optional, [rows, width] bool on the device) marks the real tokens."""
+    on from a prefix state (openjev/engine/prefix.py) the prefix length, where the cached keys end
+    (prefixes are left-padded to `offset`) and the length of the row's whole attention call (`calls`,
+    at least prefix and tokens: the whole row's length); per_row_states asks for each row's own final
+    GDN state, `valid` (optional, [rows, width] bool on the device) marks the real tokens."""
 
     lengths: tuple
     starts: tuple | None = None
     offset: int = 0
     per_row_states: bool = False
     valid: object = None
+    calls: tuple | None = None
     plans: dict = field(default_factory=dict, compare=False, repr=False)  # per device: the attention plan
 
     def call_lengths(self) -> list[int]:
-        """Each row's own attention call (see call_length)."""
+        """Each row's own attention call: `calls`, else its prefix and tokens."""
+        if self.calls:
+            return list(self.calls)
         starts = self.starts or (0,) * len(self.lengths)
-        return [call_length(p, n, self.per_row_states) for n, p in zip(self.lengths, starts)]
+        return [p + n for n, p in zip(self.lengths, starts)]
 
 
-def call_length(prefix: int, n: int, keep_odd: bool) -> int:
-    """The length of the attention call for `n` queries after `prefix` tokens: prefix and row, and one
-    unseen zero token where a state-keeping forward's call would be a whole number of tiles (see
-    attend_after_prefix)."""
-    total = prefix + n
-    return total + int(keep_odd and total % FLASH_QUERY_TILE == 0)
+def attention_class(length: int, heads: int, head_dim: int, sms: int) -> tuple:
+    """What torch's FlashAttention (2) computes the first positions of a causal call of `length`
+    tokens with, besides their own queries, keys and values: whether the call is whole tiles (a
+    variant that rounds its own way) and, where heads x 64-query blocks do not reach 0.8 x 2 x the
+    GPU's `sms` (torch's flash_api.cpp), over how many key blocks the keys split (the number of
+    splits follows from it). Two calls of one class give a query the same bits (measured on an H100,
+    benchmarks/experiments/attention_batching_check.py)."""
+    block_n = 256 if head_dim <= 64 else (128 if head_dim <= 128 else 64)
+    m_blocks = -(-length // FLASH_QUERY_TILE)
+    split = heads * m_blocks < 1.6 * sms
+    return (length % 64 == 0, length % 128 == 0, -(-length // block_n) if split else 0)
 
 
 _LAYOUT: contextvars.ContextVar = contextvars.ContextVar("openjev_padded_layout", default=None)
@@ -79,10 +89,10 @@ def current_layout() -> PaddedLayout | None:
 
 
 @contextlib.contextmanager
-def padded_layout(lengths, starts=None, offset: int = 0, per_row_states: bool = False, valid=None):
+def padded_layout(lengths, starts=None, offset: int = 0, per_row_states: bool = False, valid=None, calls=None):
     """Declare the right-padded forward about to run in this thread (see PaddedLayout)."""
     token = _LAYOUT.set(PaddedLayout(tuple(int(n) for n in lengths), tuple(int(p) for p in starts) if starts else None,
-                                     int(offset), per_row_states, valid))
+                                     int(offset), per_row_states, valid, tuple(int(c) for c in calls) if calls else None))
     try:
         yield
     finally:
@@ -125,20 +135,16 @@ def rowwise_attention() -> str:
         if plan.packed is not None:
             plan.packed.attend(query, key, value, out, kwargs.get("scaling"))
             return out, None
-        if plan.masked is not None:
-            plan.masked.attend(query, key, value, out, kwargs.get("scaling"))
-            return out, None
         if plan.batch is not None:  # first: a direct call writes every row, the rows alone then their own
             plan.batch.attend(inner, module, query, key, value, out, **kwargs)
-        odd = layout.per_row_states  # a state-keeping forward stops on a 64-token boundary inside the row
+        calls = layout.call_lengths()
         for j in plan.alone:
             n, p = layout.lengths[j], starts[j]
             q, k, v = query[j:j + 1, :, :n], key[j:j + 1, :, off - p: off + n], value[j:j + 1, :, off - p: off + n]
-            length = call_length(p, n, odd)
-            if length == n:  # the row's own unpadded call
+            if calls[j] == n:  # the row's own unpadded call
                 row = inner(module, q, k, v, None, **kwargs)[0]
             else:
-                row = attend_after_prefix(inner, module, q, k, v, p, keep_odd=odd, **kwargs)
+                row = attend_after_prefix(inner, module, q, k, v, p, call=calls[j], **kwargs)
             out[j:j + 1, :n] = row
         return out, None
 
@@ -147,24 +153,24 @@ def rowwise_attention() -> str:
     return mode
 
 
-def attend_after_prefix(inner, module, query, key, value, prefix: int, keep_odd: bool = False, **kwargs):
+def attend_after_prefix(inner, module, query, key, value, prefix: int, call: int | None = None, **kwargs):
     """One row's queries after `prefix` tokens over the prefix's keys and its own, in [1, n, heads, dim]
     as Transformers' SDPA function returns it: the call an unpadded forward of the whole row makes
-    (`inner`, causal, FlashAttention on a GPU), with zeros for the prefix's queries, whose outputs are
-    dropped. Prefixes end on 64-token boundaries, FlashAttention's query tiles, so each real query
-    tile is computed as in the whole row's forward: the same bits, at the cost of the prefix queries'
-    attention. With keep_odd (a forward that stops on a tile boundary inside the row) a call whose
-    length is a whole number of tiles gets one zero token more, which no real query sees: the
-    kernel's whole-tiles variant rounds differently from the one the whole row's call runs."""
+    (`inner`, causal, FlashAttention on a GPU), `call` tokens long (default: prefix and queries),
+    with zeros for the prefix's queries and for the positions after the queries, whose outputs are
+    dropped and whose keys no real query sees. Prefixes end on 64-token boundaries, FlashAttention's
+    query tiles, so with the whole row's length each real query is computed as in the whole row's
+    forward: the same bits, at the cost of the other positions' attention."""
     import torch
 
     total = prefix + query.shape[2]
-    length = call_length(prefix, query.shape[2], keep_odd)
+    length = max(call or total, total)
     queries = query.new_zeros(query.shape[:2] + (length, query.shape[3]))
     queries[:, :, prefix:total] = query
     if length > total:
-        key = torch.cat([key, key.new_zeros(key.shape[:2] + (1, key.shape[3]))], dim=2)
-        value = torch.cat([value, value.new_zeros(value.shape[:2] + (1, value.shape[3]))], dim=2)
+        grow = key.shape[:2] + (length - total, key.shape[3])
+        key = torch.cat([key, key.new_zeros(grow)], dim=2)
+        value = torch.cat([value, value.new_zeros(grow)], dim=2)
     return inner(module, queries, key, value, None, **kwargs)[0][:, prefix:total]
 
 
@@ -173,7 +179,6 @@ class RowPlan:
     alone: list          # rows that get their own call
     batch: "BatchedRows | DirectRows | None"
     packed: "PackedRows | None" = None  # every row in one variable-length call (OPENJEV_PREFIX_ATTENTION=varlen)
-    masked: "MaskedRows | None" = None  # every row in one masked call, where checked bitwise
 
 
 def varlen_flash(query, key, value, cu_q, cu_k, max_q: int, max_k: int, scale):
@@ -241,54 +246,6 @@ class PackedRows:
         k, v = key[self.k_rows, :, self.k_pos], value[self.k_rows, :, self.k_pos]
         res = varlen_flash(q, k, v, self.cu_q, self.cu_k, self.max_q, self.max_k, scale)
         out[self.q_rows, self.q_pos] = res.to(out.dtype)
-
-
-@dataclass
-class MaskedRows:
-    """Every row of a forward from prefix states in one SDPA call with an additive mask: row j's keys
-    gathered from the left-padded cache so that they start at position 0 (its prefix's, then its
-    own; positions past them repeat its first key, masked), each query seeing the keys up to its own
-    position. Index tensors and mask are made on the device once a forward and used by every
-    attention layer. With the keys of every row starting on the same tile, cuDNN's attention gives
-    each row's queries the bits of the row's own causal call (measured on an H100,
-    benchmarks/experiments/attention_batching_check.py); used only where masked_calls_are_exact
-    found that on the device. The key count is kept off a multiple of 64, as the measured calls were."""
-
-    k_rows: object   # [rows, keys] the row of each gathered key
-    k_pos: object    # [rows, keys] its position in the cache's keys
-    bias: object     # [rows, 1, width, keys] 0 where a query sees a key, -inf elsewhere
-    q_real: object   # [rows, width] bool: a real query
-
-    @classmethod
-    def build(cls, layout: PaddedLayout, width_q: int, device, dtype) -> "MaskedRows":
-        import torch
-
-        starts = layout.starts or (0,) * len(layout.lengths)
-        keys = max(p + n for n, p in zip(layout.lengths, starts))
-        keys += int(keys % FLASH_QUERY_TILE == 0)
-        p = torch.tensor(starts, device=device)[:, None]
-        n = torch.tensor(layout.lengths, device=device)[:, None]
-        t = torch.arange(keys, device=device)[None, :]
-        q = torch.arange(width_q, device=device)[None, :]
-        sees = t[:, None, :] <= (p + q)[:, :, None]  # [rows, width, keys]
-        bias = torch.zeros(sees.shape, device=device, dtype=dtype).masked_fill_(~sees, float("-inf"))
-        return cls(k_rows=torch.arange(len(layout.lengths), device=device)[:, None].expand(-1, keys),
-                   k_pos=layout.offset - p + torch.where(t < p + n, t, 0), bias=bias[:, None], q_real=q < n)
-
-    def attend(self, query, key, value, out, scale) -> None:
-        """query [rows, heads, width, dim], key/value [rows, kv heads, offset + width, dim] as
-        Transformers' SDPA function gets them; out [rows, width, heads, dim] gets every real query,
-        zeros elsewhere."""
-        import torch
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        k = key[self.k_rows, :, self.k_pos].transpose(1, 2)  # [rows, kv heads, keys, dim]
-        v = value[self.k_rows, :, self.k_pos].transpose(1, 2)
-        backends = [SDPBackend.CUDNN_ATTENTION] if query.is_cuda else [SDPBackend.MATH]
-        with sdpa_kernel(backends):
-            res = torch.nn.functional.scaled_dot_product_attention(
-                query, k, v, attn_mask=self.bias, scale=scale, enable_gqa=k.shape[1] != query.shape[1])
-        out.copy_(res.transpose(1, 2).masked_fill(~self.q_real[:, :, None, None], 0))
 
 
 @dataclass
@@ -388,10 +345,6 @@ def _plan(layout: PaddedLayout, query, kv_heads: int, inner) -> RowPlan:
         plan = RowPlan([], None, packed=PackedRows.build(layout, query.device))
         layout.plans[key] = plan
         return plan
-    if layout.starts is not None and masked_calls_allowed(query, kv_heads, inner):
-        plan = RowPlan([], None, masked=MaskedRows.build(layout, query.shape[2], query.device, query.dtype))
-        layout.plans[key] = plan
-        return plan
     rows = list(range(len(layout.lengths)))
     may_share = len(rows) > 1 and padded_attention_mode() == "shared" and shared_calls_allowed(query, kv_heads, inner)
     batched = [j for j, c in enumerate(layout.call_lengths()) if c % FLASH_QUERY_TILE] if may_share else []
@@ -447,12 +400,6 @@ def packed_calls_allowed(query) -> bool:
     """Whether forwards from prefix states may attend in one variable-length call (a GPU: the varlen
     kernel is FlashAttention's)."""
     return bool(query.is_cuda)
-
-
-def masked_calls_allowed(query, kv_heads: int, inner) -> bool:
-    """Whether the rows of a forward from prefix states may share one masked call on this device
-    (checked, see masked_calls_are_exact)."""
-    return bool(query.is_cuda) and masked_calls_are_exact(query, kv_heads, inner)
 
 
 def shared_calls_allowed(query, kv_heads: int, inner) -> bool:
@@ -533,60 +480,6 @@ def batched_rows_are_exact(query, kv_heads, inner) -> bool:
     if not ok:
         log.warning("rows sharing one padded attention call do not get their own calls' bits on %s: "
                     "one call a row", torch.cuda.get_device_name(query.device))
-    return ok
-
-
-# Forwards of the masked-call check, as (tail lengths, prefix lengths, per-row states): a warm pass's
-# tails of 1 to 64 tokens beside a row with no prefix, longer tails, and a state-keeping forward whose
-# rows stop on 64-token boundaries (calls of a whole number of tiles)
-MASKED_CHECK_FORWARDS = (
-    ((2, 1, 60, 64, 1, 28, 37), (128, 256, 640, 960, 1600, 1472, 0), False),
-    ((588, 833, 136, 320), (512, 768, 64, 320), False),
-    ((448, 128, 64, 700), (64, 1024, 0, 0), True),
-)
-
-
-def check_masked_calls(text_config, device, dtype) -> bool | None:
-    """At load: whether forwards from prefix states on `device` may share one masked attention call
-    (masked_calls_are_exact on the model's head shape); None on a CPU."""
-    if not str(device).startswith("cuda") or not _INNER:
-        return None
-    return masked_calls_are_exact(*_head_probe(text_config, device, dtype), _INNER[0])
-
-
-@once_per_shape
-def masked_calls_are_exact(query, kv_heads, inner) -> bool:
-    """Whether, on this device, MaskedRows gives every row of MASKED_CHECK_FORWARDS (random queries,
-    keys and values in the left-padded layout of a forward from prefix states) the bits of the row's
-    own call (attend_after_prefix, what the forward runs otherwise)."""
-    import torch
-
-    module = _CheckModule(query.shape[1] // kv_heads)
-    scaling = query.shape[3] ** -0.5
-    gen = torch.Generator(device=query.device).manual_seed(0)
-    ok = True
-    try:
-        with torch.inference_mode():
-            for lengths, starts, states in MASKED_CHECK_FORWARDS:
-                off, width = max(starts), max(lengths)
-
-                def rand(heads, n):
-                    return torch.randn((len(lengths), heads, n, query.shape[3]), device=query.device,
-                                       dtype=query.dtype, generator=gen)
-
-                q, k, v = rand(query.shape[1], width), rand(kv_heads, off + width), rand(kv_heads, off + width)
-                layout = PaddedLayout(lengths, starts, off, states)
-                out = q.new_zeros((len(lengths), width, q.shape[1], q.shape[3]))
-                MaskedRows.build(layout, width, q.device, q.dtype).attend(q, k, v, out, scaling)
-                for j, (n, p) in enumerate(zip(lengths, starts)):
-                    own = attend_after_prefix(inner, module, q[j:j + 1, :, :n], k[j:j + 1, :, off - p: off + n],
-                                              v[j:j + 1, :, off - p: off + n], p, keep_odd=states, scaling=scaling)
-                    ok = ok and torch.equal(out[j:j + 1, :n], own)
-    except Exception as exc:  # noqa: BLE001 - no cuDNN attention (or no mask support) on this device
-        log.info("masked attention calls not available: %s", str(exc).splitlines()[0] if str(exc) else exc)
-        ok = False
-    if not ok:
-        log.info("one masked attention call is not the rows' own calls' bits here: a call a row")
     return ok
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from openjev.common import LABELS, UserError, sha256_file
-from openjev.engine.attention import check_batching, check_masked_calls, check_packed_calls, padded_rows, rowwise_attention
+from openjev.engine.attention import check_batching, check_packed_calls, padded_rows, rowwise_attention
 from openjev.engine.transfer import to_device
 from sglang_openjev import weights
 from sglang_openjev.contract import check_label_order
@@ -115,7 +115,6 @@ def load_classifier(path: str | Path, device: str = "auto", dtype: str = "auto")
     text_cfg = model.config.get_text_config()
     kernels = kernel_path(model)
     kernels["padded_attention_shared_calls"] = check_batching(text_cfg, device, model.dtype)
-    kernels["prefix_attention_masked_call"] = check_masked_calls(text_cfg, device, model.dtype)
     kernels["prefix_attention_varlen"] = check_packed_calls(text_cfg, device, model.dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)

@@ -6,13 +6,13 @@ the short convolution's last inputs and the recurrent state, per full-attention 
 values of the P tokens. A continuation runs the unmodified model through Transformers' own cache
 object (DynamicCache of the model's config), 2-D attention mask and per-row position ids. While a
 continuation forward runs, two functions the model calls know the padded layout (see
-attention.padded_layout): attention runs row by row, the whole row's causal call with the prefix's
-queries left out (bit for bit the exact forward's attention, see attention.attend_after_prefix, or
-the tail's queries alone where a check at load found that bitwise, attention.attend_tail)
+attention.padded_layout): attention runs row by row, the whole row's causal call with the queries
+the forward does not hold left out (the exact forward's attention, see attention.attend_after_prefix)
 and, where a row's end state is kept, the chunked gated delta rule sees the right padding as inert
-tokens (decay 1, no write), so padding never runs into a state. Arithmetic: the prefix is summed
-apart from the rest, so logits are close to the exact forward's, not bitwise (the agreement goal
-applies); the default path stays the exact one.
+tokens (decay 1, no write), so padding never runs into a state. A state is shared only between rows
+whose whole attention calls give its positions the same arithmetic (attention.attention_class: on a
+GPU, FlashAttention splits the keys of a short row's call by the row's length). Arithmetic: the
+agreement goal applies; the default path stays the exact one.
 
 A step: (1) every row looks up the longest cached prefix of itself; (2) rows of the step that share
 at least `min_tokens` tokens beyond that run the shared part once; (3) each row runs from its best
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from openjev.engine.attention import current_layout, padded_layout
+from openjev.engine.attention import attention_class, current_layout, padded_layout
 from openjev.engine.batching import StepResult, length_groups
 from openjev.engine.transfer import to_device
 
@@ -73,14 +73,16 @@ class PrefixState:
         return sum(t.numel() * t.element_size() for t in (self.conv, self.recurrent, self.keys, self.values))
 
 
-def prefix_key(tokens) -> bytes:
+def prefix_key(tokens, group: bytes = b"") -> bytes:
+    """The cache key of a prefix of rows of one attention `group` (see PrefixEngine.group)."""
     arr = np.asarray(tokens, dtype=np.int64)
-    return hashlib.blake2b(arr.tobytes(), digest_size=16).digest() + len(arr).to_bytes(4, "little")
+    return hashlib.blake2b(arr.tobytes(), digest_size=16).digest() + len(arr).to_bytes(4, "little") + group
 
 
 @dataclass
 class PrefixCache:
-    """Prefix states by their token ids, least recently used evicted first, within `budget_bytes`."""
+    """Prefix states by their token ids and attention group, least recently used evicted first, within
+    `budget_bytes`."""
 
     budget_bytes: int
     entries: OrderedDict = field(default_factory=OrderedDict)
@@ -90,10 +92,10 @@ class PrefixCache:
     counts: Counter = field(default_factory=lambda: Counter(dict.fromkeys(COUNTS, 0)))
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def longest(self, row, limit: int):
+    def longest(self, row, limit: int, group: bytes = b""):
         """The cached state of the longest prefix of `row` of at most `limit` tokens, or None."""
         with self._lock:
-            found = self._find(row, limit)
+            found = self._find(row, limit, group)
             if found is None:
                 self.counts["misses"] += 1
                 return None
@@ -102,14 +104,14 @@ class PrefixCache:
             self.counts.update(hits=1, tokens_reused=n)
             return self.entries[key]
 
-    def cached_tokens(self, row, limit: int) -> int:
+    def cached_tokens(self, row, limit: int, group: bytes = b"") -> int:
         """The length of the longest cached prefix of `row` of at most `limit` tokens (0 if none), for
         planning: counted nowhere, the eviction order unchanged."""
         with self._lock:
-            found = self._find(row, limit)
+            found = self._find(row, limit, group)
         return found[1] if found is not None else 0
 
-    def _find(self, row, limit: int):
+    def _find(self, row, limit: int, group: bytes):
         """(key, length) of the longest cached prefix within `limit`, or None; one pass over the row,
         hashing each cached length's prefix, shortest first. Called with the lock held."""
         arr = np.asarray(row, dtype=np.int64)
@@ -117,16 +119,16 @@ class PrefixCache:
         for n in sorted(n for n in self.lengths if n <= limit):
             h.update(arr[done:n].tobytes())
             done = n
-            key = h.copy().digest() + n.to_bytes(4, "little")
+            key = h.copy().digest() + n.to_bytes(4, "little") + group
             if key in self.entries:
                 found = key, n
         return found
 
-    def put(self, tokens, state: PrefixState) -> None:
+    def put(self, tokens, state: PrefixState, group: bytes = b"") -> None:
         size = state.nbytes
         if size > self.budget_bytes:
             return
-        key = prefix_key(tokens)
+        key = prefix_key(tokens, group)
         with self._lock:
             if key in self.entries:
                 self.entries.move_to_end(key)
@@ -161,16 +163,21 @@ class PrefixCache:
                     **{k: self.counts[k] for k in COUNTS}}
 
 
-def shared_prefixes(rows: list[list[int]], floors: list[int], limits: list[int], min_tokens: int) -> dict:
+def shared_prefixes(rows: list[list[int]], floors: list[int], limits: list[int], min_tokens: int,
+                    groups: list[bytes] | None = None) -> dict:
     """Prefixes worth one forward for several rows of a step: row index -> prefix length.
 
-    Rows are sorted by their token ids, so rows sharing a prefix stand together; a row's shared
-    prefix is the longer of its common prefixes with its two neighbours, cut to a multiple of
-    GDN_CHUNK and to `limits`, taken when at least two rows share it and it is `min_tokens` longer
-    than what the row already has (`floors`, its cached prefix)."""
-    order = sorted(range(len(rows)), key=lambda i: rows[i])
+    Rows are sorted by attention group (see PrefixEngine.group) and token ids, so rows that may share
+    a prefix stand together; a row's shared prefix is the longer of its common prefixes with its two
+    neighbours of its group, cut to a multiple of GDN_CHUNK and to `limits`, taken when at least two
+    rows share it and it is `min_tokens` longer than what the row already has (`floors`, its cached
+    prefix)."""
+    groups = groups or [b""] * len(rows)
+    order = sorted(range(len(rows)), key=lambda i: (groups[i], rows[i]))
     lcp = [0] * max(len(order) - 1, 0)
     for k in range(len(order) - 1):
+        if groups[order[k]] != groups[order[k + 1]]:
+            continue
         a, b = rows[order[k]], rows[order[k + 1]]
         n = min(len(a), len(b))
         diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
@@ -185,7 +192,7 @@ def shared_prefixes(rows: list[list[int]], floors: list[int], limits: list[int],
     # a prefix only one row chose is no saving: that row runs from what it has
     by_key: dict[bytes, list[int]] = {}
     for i, n in chosen.items():
-        by_key.setdefault(prefix_key(rows[i][:n]), []).append(i)
+        by_key.setdefault(prefix_key(rows[i][:n], groups[i]), []).append(i)
     return {i: chosen[i] for members in by_key.values() if len(members) > 1 for i in members}
 
 
@@ -213,26 +220,28 @@ class ContinuationForwards:
         install_per_row_gdn(clf.model)
 
     def run(self, items: list, want_states: bool):
-        """items: (start PrefixState or None, tokens to run). Returns (logits [n, 3] on the device,
-        the state after each row, or None)."""
+        """items: (start PrefixState or None, tokens to run, the whole row's length). Returns (logits
+        [n, 3] on the device, the state after each row, or None)."""
         torch = self.torch
         dev = self.clf.device
-        starts = [s.length if s is not None else 0 for s, _ in items]
-        lengths = [len(t) for _, t in items]
+        starts = [s.length if s is not None else 0 for s, _, _ in items]
+        lengths = [len(t) for _, t, _ in items]
+        calls = [c for _, _, c in items]
         width, offset = max(lengths), max(starts)
         n = len(items)
         ids = torch.full((n, width), self.clf.pad_token_id, dtype=torch.long)
         mask = torch.zeros((n, offset + width), dtype=torch.long)
         pos = torch.zeros((n, width), dtype=torch.long)
-        for b, (start, tokens) in enumerate(zip(starts, (t for _, t in items))):
+        for b, (start, tokens) in enumerate(zip(starts, (t for _, t, _ in items))):
             ids[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
             mask[b, offset - start: offset + len(tokens)] = 1
             pos[b] = torch.arange(start, start + width)
         with torch.profiler.record_function("openjev.prefix.cache_build"):
-            cache = self._cache([s for s, _ in items], offset, want_states)
+            cache = self._cache([s for s, _, _ in items], offset, want_states)
         ids, mask, pos = (to_device(t, dev) for t in (ids, mask, pos))
         valid = mask[:, offset:].bool() if want_states else None
-        with torch.inference_mode(), padded_layout(lengths, starts, offset, per_row_states=want_states, valid=valid):
+        with torch.inference_mode(), padded_layout(lengths, starts, offset, per_row_states=want_states, valid=valid,
+                                                   calls=calls):
             out = self.clf.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                                  past_key_values=cache, use_cache=True)
             with torch.profiler.record_function("openjev.prefix.states"):
@@ -296,6 +305,24 @@ class ContinuationForwards:
         return states
 
 
+def attention_classes(clf):
+    """length -> the attention group key of rows of that length (see PrefixEngine.group)."""
+    if not str(clf.device).startswith("cuda"):
+        return lambda _n: b""
+    import torch
+
+    text = clf.model.config.get_text_config()
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    sms = torch.cuda.get_device_properties(clf.device).multi_processor_count
+
+    @functools.lru_cache(maxsize=None)
+    def key(n: int) -> bytes:
+        return repr(attention_class(n, heads, head_dim, sms)).encode()
+
+    return key
+
+
 def install_per_row_gdn(model) -> bool:
     """Wrap the chunked gated delta rule the model's Gated DeltaNet layers call (a module-level name
     of Transformers' modeling module, fla's kernel or its PyTorch fallback) so that, while a padded
@@ -349,6 +376,13 @@ class PrefixEngine:
         self.clf = clf
         self.cache = PrefixCache(budget_bytes) if budget_bytes > 0 else None
         self.min_tokens = min_tokens
+        self.classes = attention_classes(clf)
+
+    def group(self, row) -> bytes:
+        """The rows that may share `row`'s prefix states: those whose whole attention calls give the
+        prefix's positions the same arithmetic (attention.attention_class of the row's length on a
+        GPU; every row on a CPU)."""
+        return self.classes(len(row))
 
     def stats(self) -> dict:
         return {"min_shared_tokens": self.min_tokens, "cache": self.cache.stats() if self.cache is not None else None}
@@ -363,14 +397,15 @@ class PrefixEngine:
         """The tokens `row` would compute if it ran now: those after its longest cached prefix (what the
         scheduler's step budget counts, as SGLang's counts the tokens after a prefix match)."""
         limit = self.state_limit(row)
-        cached = self.cache.cached_tokens(row, limit) if self.cache is not None and limit > 0 else 0
+        cached = self.cache.cached_tokens(row, limit, self.group(row)) if self.cache is not None and limit > 0 else 0
         return len(row) - cached
 
     def run_step(self, rows: list[list[int]], max_rows: int) -> StepResult:
         n = len(rows)
         limits = [self.state_limit(r) for r in rows]
-        best = [self.cache.longest(r, limit) if self.cache is not None and limit > 0 else None
-                for r, limit in zip(rows, limits)]
+        groups = [self.group(r) for r in rows]
+        best = [self.cache.longest(r, limit, g) if self.cache is not None and limit > 0 else None
+                for r, limit, g in zip(rows, limits, groups)]
 
         def have(i: int) -> int:  # tokens of row i its best state already holds
             return best[i].length if best[i] is not None else 0
@@ -383,13 +418,13 @@ class PrefixEngine:
         def forward(phase, items, want_states):
             logits_all, states_all = [None] * len(items), [None] * len(items)
             rows_cap = max(max_rows, PREFIX_TAIL_FORWARD_ROWS if phase == "tail" else PREFIX_FORWARD_ROWS)
-            for idx in length_groups([len(t) for _, t in items], rows_cap, PREFIX_FORWARD_COST_TOKENS):
+            for idx in length_groups([len(t) for _, t, _ in items], rows_cap, PREFIX_FORWARD_COST_TOKENS):
                 group = [items[i] for i in idx]
                 with torch.profiler.record_function(f"openjev.prefix.{phase}"):
                     logits, states = self.forwards.run(group, want_states)
                 stats["forwards"] += 1
-                stats["computed"] += sum(len(t) for _, t in group)
-                stats["padded"] += max(len(t) for _, t in group) * len(group)
+                stats["computed"] += sum(len(t) for _, t, _ in group)
+                stats["padded"] += max(len(t) for _, t, _ in group) * len(group)
                 for k, i in enumerate(idx):
                     logits_all[i] = logits[k]
                     if states is not None:
@@ -397,31 +432,31 @@ class PrefixEngine:
             return logits_all, states_all
 
         # shared prefixes of this step, each run once from the longest cached state of it
-        shared = shared_prefixes(rows, floors, limits, self.min_tokens)
-        keys = {i: prefix_key(rows[i][:length]) for i, length in shared.items()}
+        shared = shared_prefixes(rows, floors, limits, self.min_tokens, groups)
+        keys = {i: prefix_key(rows[i][:length], groups[i]) for i, length in shared.items()}
         prefixes: dict[bytes, tuple[int, int]] = {}  # key -> (a row holding it, its length)
         for i, length in shared.items():
             prefixes.setdefault(keys[i], (i, length))
         if prefixes:
             plan = list(prefixes.values())  # each from its row's cached state, shorter than the prefix
-            _, states = forward("shared", [(best[i], rows[i][have(i):length]) for i, length in plan], True)
+            _, states = forward("shared", [(best[i], rows[i][have(i):length], len(rows[i])) for i, length in plan], True)
             made = dict(zip(prefixes, states))
             if self.cache is not None:
                 for (i, length), st in zip(plan, states):
-                    self.cache.put(rows[i][:length], st)
+                    self.cache.put(rows[i][:length], st, groups[i])
             for i in shared:
                 best[i] = made[keys[i]]
         if self.cache is None:
-            out, _ = forward("rows", [(best[i], rows[i][have(i):]) for i in range(n)], False)
+            out, _ = forward("rows", [(best[i], rows[i][have(i):], len(rows[i])) for i in range(n)], False)
         else:
             body = [i for i in range(n) if have(i) < limits[i]]
             if body:
-                items = [(best[i], rows[i][have(i): limits[i]]) for i in body]
+                items = [(best[i], rows[i][have(i): limits[i]], len(rows[i])) for i in body]
                 _, states = forward("body", items, True)
                 for i, st in zip(body, states):
-                    self.cache.put(rows[i][:limits[i]], st)
+                    self.cache.put(rows[i][:limits[i]], st, groups[i])
                     best[i] = st
-            out, _ = forward("tail", [(best[i], rows[i][limits[i]:]) for i in range(n)], False)
+            out, _ = forward("tail", [(best[i], rows[i][limits[i]:], len(rows[i])) for i in range(n)], False)
         with torch.inference_mode():
             logits = torch.stack(out).float().cpu().numpy().astype(np.float32, copy=False)
         return StepResult(logits, stats["forwards"], stats["computed"], stats["padded"],
