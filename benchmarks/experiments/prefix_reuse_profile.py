@@ -97,10 +97,10 @@ def divergence(clf, forwards, rows, picks) -> dict:
         mode["row"] = None
         cuts = [(len(rows[i]) - 1) // GDN_CHUNK * GDN_CHUNK for i in picks]
         mode.update(phase="prefix", spans=[(i, 0, c) for i, c in zip(picks, cuts)], width=max(cuts))
-        _, states = forwards.run([(None, rows[i][:c]) for i, c in zip(picks, cuts)], True)
+        _, states = forwards.run([(None, rows[i][:c], len(rows[i])) for i, c in zip(picks, cuts)], True)
         tails = [len(rows[i]) - c for i, c in zip(picks, cuts)]
         mode.update(phase="tail", spans=[(i, c, n) for i, c, n in zip(picks, cuts, tails)], width=max(tails))
-        forwards.run([(st, rows[i][c:]) for i, c, st in zip(picks, cuts, states)], False)
+        forwards.run([(st, rows[i][c:], len(rows[i])) for i, c, st in zip(picks, cuts, states)], False)
         sync(clf.device)
     finally:
         for h in handles:
