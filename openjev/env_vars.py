@@ -76,7 +76,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("OPENJEV_PREFIX_ATTENTION", "operator", "whole-row", "the embedded backend",
            "varlen: with --prefix-reuse on a GPU, every row of a forward from prefix states in one FlashAttention "
            "varlen call a layer (faster; on an H100 a largest entailment-probability difference of 0.00295, over the 2e-3 goal); "
-           "varlen-tails only in forwards that keep no state; whole-row keeps each row's own call"),
+           "varlen-tails only in forwards that keep no state; varlen-exact only the rows whose own calls would not split "
+           "their keys, where a check at load finds that bitwise (not yet run on a GPU); whole-row keeps each row's own call"),
     EnvVar("OPENJEV_FLA_CONFIGS", "operator", "~/.cache/openjev/fla-configs/ (one file per GPU model)", "the embedded backend",
            "the file of fla's pinned Triton configurations; off turns pinning off"),
     EnvVar("OPENJEV_WARM_TOKENS", "operator", "16384", "the embedded backend", "padded tokens the start-up warm-up covers"),

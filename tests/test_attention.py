@@ -134,6 +134,32 @@ def test_packed_rows_give_the_whole_rows_output(monkeypatch, lengths, starts, of
         assert not packed[j, n:].any()
 
 
+def test_varlen_exact_packs_only_the_rows_whose_own_calls_do_not_split(monkeypatch):
+    """OPENJEV_PREFIX_ATTENTION=varlen-exact on a CPU (float64, the varlen kernel replaced by its
+    row-at-a-time reference, a GPU of 5 multiprocessors so that 4 heads split calls of up to 64
+    tokens): rows whose whole calls do not split share the varlen call, the others keep their own
+    calls; every row's output is the whole row's call's, padding zero."""
+    torch = pytest.importorskip("torch")
+    lengths, starts, offset, calls = [3, 70, 64, 30], [64, 0, 128, 0], 128, [200, 300, 257, 64]
+    attention, module, dim, (query, key, value) = _cpu_rowwise_case(monkeypatch, torch, lengths, starts, offset)
+    args = (lengths, starts, offset, True, calls)
+    whole, _ = _attend(torch, args, query, key, value, module, dim)
+    monkeypatch.setenv("OPENJEV_PREFIX_ATTENTION", "varlen-exact")
+    monkeypatch.setattr(attention, "packed_calls_allowed", lambda *_: True)
+    monkeypatch.setattr(attention, "varlen_flash", varlen_reference)
+    monkeypatch.setattr(attention, "device_sms", lambda _device: 5)
+    monkeypatch.setattr(attention, "unsplit_varlen_allowed", lambda *_: False)  # the device check said no
+    _, plan = _attend(torch, args, query, key, value, module, dim)
+    assert plan.packed is None and plan.alone == [0, 1, 2, 3]
+    monkeypatch.setattr(attention, "unsplit_varlen_allowed", lambda *_: True)
+    packed, plan = _attend(torch, args, query, key, value, module, dim)
+    assert plan.packed is not None and plan.alone == [3]
+    assert sorted(set(plan.packed.q_rows.tolist())) == [0, 1, 2] and plan.packed.cu_k.tolist() == [0, 67, 137, 329]
+    torch.testing.assert_close(packed, whole, rtol=0, atol=1e-12)
+    for j, n in enumerate(lengths):
+        assert not packed[j, n:].any()
+
+
 def test_packed_rows_only_for_prefix_forwards(monkeypatch):
     """The exact path's forwards (no prefix layout) keep their own calls whatever the mode."""
     torch = pytest.importorskip("torch")
@@ -156,7 +182,7 @@ def test_prefix_attention_mode_is_checked(monkeypatch):
     monkeypatch.setenv("OPENJEV_PREFIX_ATTENTION", "varlen")
     assert prefix_attention_mode() == "varlen"
     monkeypatch.setenv("OPENJEV_PREFIX_ATTENTION", "packed")
-    with pytest.raises(UserError, match="OPENJEV_PREFIX_ATTENTION='packed': expected whole-row, varlen or varlen-tails"):
+    with pytest.raises(UserError, match="OPENJEV_PREFIX_ATTENTION='packed': expected whole-row, varlen, varlen-tails or varlen-exact"):
         prefix_attention_mode()
 
 
@@ -188,6 +214,12 @@ def test_varlen_modes_are_checked_at_load(monkeypatch):
     seen = []
     monkeypatch.setattr(attention, "_probe_varlen", lambda q, kv: seen.append((q.shape, kv)))
     assert attention.check_packed_calls(cfg, "cuda:0", torch.float16) is True and seen == [(probe.shape, 2)]
+    # varlen-exact: what the device check of its bits says (the rows keep their own calls where it fails)
+    monkeypatch.setenv("OPENJEV_PREFIX_ATTENTION", "varlen-exact")
+    monkeypatch.setattr(attention, "_INNER", [object()])
+    for bitwise in (False, True):
+        monkeypatch.setattr(attention, "unsplit_varlen_is_exact", lambda *_, b=bitwise: b)
+        assert attention.check_packed_calls(cfg, "cuda:0", torch.float16) is bitwise
 
 
 def test_probe_varlen_calls_the_varlen_kernel_with_two_rows(monkeypatch):
@@ -249,6 +281,36 @@ def _gpu_prefix_cases(torch, heads, kv_heads, dim):
                                             ([37, 3, 700], [1280, 64, 0], 1280, True)]:
         yield ((lengths, starts, offset, states),
                _rows(torch, lengths, offset, heads, kv_heads, dim, torch.float16, "cuda", starts, nan_outside=True))
+
+
+@pytest.mark.gpu
+def test_varlen_exact_on_a_gpu_is_bitwise_the_whole_rows_calls(monkeypatch):
+    """At Qwen3.5-4B's attention shape in FP16, OPENJEV_PREFIX_ATTENTION=varlen-exact: the device check
+    passes on SM80/SM90, and rows whose own calls do not split, in one varlen call, get those calls'
+    bits; the other rows keep their own calls."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: FlashAttention is a GPU kernel")
+    from openjev.engine import attention
+
+    attention.rowwise_attention()
+    heads, kv_heads, dim = 16, 4, 256
+    probe = torch.empty((1, heads, 1, dim), device="cuda", dtype=torch.float16)
+    assert attention.unsplit_varlen_is_exact(probe, kv_heads, attention._INNER[0])
+    module = attention._CheckModule(heads // kv_heads)
+    packed_any = False
+    for args, (query, key, value) in _gpu_prefix_cases(torch, heads, kv_heads, dim):
+        lengths = args[0]
+        with monkeypatch.context() as mp:
+            mp.delenv("OPENJEV_PREFIX_ATTENTION", raising=False)
+            whole, _ = _attend(torch, args, query, key, value, module, dim)
+            mp.setenv("OPENJEV_PREFIX_ATTENTION", "varlen-exact")
+            exact, plan = _attend(torch, args, query, key, value, module, dim)
+        packed_any = packed_any or plan.packed is not None
+        for j, n in enumerate(lengths):
+            assert torch.equal(exact[j, :n], whole[j, :n]), (args, j, float((exact[j, :n] - whole[j, :n]).abs().max()))
+            assert not exact[j, n:].any()
+    assert packed_any
 
 
 @pytest.mark.gpu

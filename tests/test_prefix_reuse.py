@@ -135,11 +135,11 @@ def clf(tiny_model):
 
 
 @pytest.mark.parametrize("budget_mb,attention", [(0, "whole-row"), (64, "whole-row"), (64, "varlen"),
-                                                  (64, "varlen-tails")])
+                                                  (64, "varlen-tails"), (64, "varlen-exact")])
 def test_prefix_path_matches_the_exact_forward_cold_and_warm(clf, budget_mb, attention, monkeypatch):
-    """Cold and warm, without and with the cross-request cache; OPENJEV_PREFIX_ATTENTION=varlen and
-    varlen-tails with the varlen kernel replaced by its row-at-a-time reference (a CPU has no
-    FlashAttention)."""
+    """Cold and warm, without and with the cross-request cache; OPENJEV_PREFIX_ATTENTION=varlen,
+    varlen-tails and varlen-exact with the varlen kernel replaced by its row-at-a-time reference (a
+    CPU has no FlashAttention)."""
     from openjev.engine import attention as attention_module
     from openjev.engine.classifier import score_exact
     from openjev.engine.prefix import PrefixEngine
@@ -149,6 +149,8 @@ def test_prefix_path_matches_the_exact_forward_cold_and_warm(clf, budget_mb, att
     packed = []
     if attention != "whole-row":
         monkeypatch.setattr(attention_module, "packed_calls_allowed", lambda *_: True)
+        monkeypatch.setattr(attention_module, "unsplit_varlen_allowed", lambda *_: True)
+        monkeypatch.setattr(attention_module, "device_sms", lambda _device: 8)  # short rows' calls split
         monkeypatch.setattr(attention_module, "varlen_flash",
                             lambda *a: packed.append(len(a[3]) - 1) or varlen_reference(*a))
     rows = _rows(clf.vocab_size)
@@ -169,6 +171,8 @@ def test_prefix_path_matches_the_exact_forward_cold_and_warm(clf, budget_mb, att
         assert warm.computed_tokens == tails(rows) and engine.stats()["cache"]["hits"] >= len(rows) - 3
     else:
         assert warm.computed_tokens == cold.computed_tokens and engine.stats()["cache"] is None
+    if attention == "varlen-exact":  # rows of up to 192 tokens split here: they keep their own calls
+        assert packed and max(packed) < len(rows) and sum(len(r) > 192 for r in rows) in packed
     assert bool(packed) == (attention != "whole-row")
 
 
@@ -239,7 +243,7 @@ def test_server_with_prefix_reuse(overlay, tmp_path):
 
 
 @pytest.mark.parametrize("mode,message", [
-    ("bogus", "OPENJEV_PREFIX_ATTENTION='bogus': expected whole-row, varlen or varlen-tails"),
+    ("bogus", "OPENJEV_PREFIX_ATTENTION='bogus': expected whole-row, varlen, varlen-tails or varlen-exact"),
     ("varlen", "OPENJEV_PREFIX_ATTENTION=varlen needs a CUDA device (FlashAttention's varlen call); this model runs "
                "on cpu: unset it")])
 def test_server_refuses_a_prefix_attention_it_cannot_run(overlay, mode, message):

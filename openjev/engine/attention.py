@@ -12,7 +12,9 @@ between rows whose calls agree on that (`attention_class`). With OPENJEV_PREFIX_
 (opt-in, GPU only), forwards from prefix states instead attend in one variable-length FlashAttention
 call a layer (`PackedRows`): within about one unit in the last place of each output, not bit for
 bit; varlen-tails does so only in forwards that keep no state, so no cached state carries the
-difference.
+difference. varlen-exact puts in that call only the rows whose own calls would not split their keys
+(a varlen call never splits them, so it gives those rows their own calls' bits, measured on an H100),
+where a check at load finds it so on the device; the other rows keep their own calls.
 
 With OPENJEV_PADDED_ATTENTION=shared (opt-in), rows whose call length is not a multiple of 64 (the
 kernel's whole-tiles variant rounds differently) share one call, padded with zeros to the longest:
@@ -134,7 +136,8 @@ def rowwise_attention() -> str:
         plan = _plan(layout, query, key.shape[1], inner)
         if plan.packed is not None:
             plan.packed.attend(query, key, value, out, kwargs.get("scaling"))
-            return out, None
+            if not plan.alone:
+                return out, None
         if plan.batch is not None:  # first: a direct call writes every row, the rows alone then their own
             plan.batch.attend(inner, module, query, key, value, out, **kwargs)
         calls = layout.call_lengths()
@@ -218,13 +221,15 @@ class PackedRows:
     max_k: int
 
     @classmethod
-    def build(cls, layout: PaddedLayout, device) -> "PackedRows":
+    def build(cls, layout: PaddedLayout, device, rows: list[int] | None = None) -> "PackedRows":
         import torch
 
-        starts = layout.starts or (0,) * len(layout.lengths)
+        rows = list(range(len(layout.lengths))) if rows is None else rows
+        starts = [(layout.starts or (0,) * len(layout.lengths))[j] for j in rows]
+        lengths = [layout.lengths[j] for j in rows]
         off = layout.offset
         q_rows, q_pos, k_rows, k_pos = [], [], [], []
-        for j, (n, p) in enumerate(zip(layout.lengths, starts)):
+        for j, n, p in zip(rows, lengths, starts):
             q_rows.append(torch.full((n,), j, dtype=torch.long))
             q_pos.append(torch.arange(n))
             k_rows.append(torch.full((p + n,), j, dtype=torch.long))
@@ -234,10 +239,9 @@ class PackedRows:
             return torch.tensor([0] + list(sizes), dtype=torch.int32).cumsum(0, dtype=torch.int32)
 
         tensors = dict(q_rows=torch.cat(q_rows), q_pos=torch.cat(q_pos), k_rows=torch.cat(k_rows),
-                       k_pos=torch.cat(k_pos), cu_q=cu(layout.lengths),
-                       cu_k=cu(p + n for n, p in zip(layout.lengths, starts)))
-        return cls(**{k: to_device(v, device) for k, v in tensors.items()}, max_q=max(layout.lengths),
-                   max_k=max(p + n for n, p in zip(layout.lengths, starts)))
+                       k_pos=torch.cat(k_pos), cu_q=cu(lengths), cu_k=cu(p + n for n, p in zip(lengths, starts)))
+        return cls(**{k: to_device(v, device) for k, v in tensors.items()}, max_q=max(lengths),
+                   max_k=max(p + n for n, p in zip(lengths, starts)))
 
     def attend(self, query, key, value, out, scale) -> None:
         """query [rows, heads, width, dim], key/value [rows, kv heads, offset + width, dim] as
@@ -345,6 +349,13 @@ def _plan(layout: PaddedLayout, query, kv_heads: int, inner) -> RowPlan:
         plan = RowPlan([], None, packed=PackedRows.build(layout, query.device))
         layout.plans[key] = plan
         return plan
+    if packed == "varlen-exact" and packed_calls_allowed(query) and unsplit_varlen_allowed(query, kv_heads, inner):
+        whole = unsplit_rows(layout.call_lengths(), query)
+        if len(whole) > 1:
+            plan = RowPlan([j for j in range(len(layout.lengths)) if j not in set(whole)], None,
+                           packed=PackedRows.build(layout, query.device, whole))
+            layout.plans[key] = plan
+            return plan
     rows = list(range(len(layout.lengths)))
     may_share = len(rows) > 1 and padded_attention_mode() == "shared" and shared_calls_allowed(query, kv_heads, inner)
     batched = [j for j, c in enumerate(layout.call_lengths()) if c % FLASH_QUERY_TILE] if may_share else []
@@ -360,6 +371,25 @@ def _plan(layout: PaddedLayout, query, kv_heads: int, inner) -> RowPlan:
     plan = RowPlan(alone, batch)
     layout.plans[key] = plan
     return plan
+
+
+def device_sms(device) -> int:
+    """The GPU's multiprocessor count (what FlashAttention's key split is decided against)."""
+    import torch
+
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def unsplit_rows(calls, query) -> list[int]:
+    """The rows whose own calls of `calls` tokens would not split their keys on query's GPU."""
+    sms = device_sms(query.device)
+    return [j for j, c in enumerate(calls) if attention_class(c, query.shape[1], query.shape[3], sms)[2] == 0]
+
+
+def unsplit_varlen_allowed(query, kv_heads: int, inner) -> bool:
+    """Whether rows whose own calls do not split may share one varlen call on this device (checked,
+    see unsplit_varlen_is_exact)."""
+    return bool(query.is_cuda) and unsplit_varlen_is_exact(query, kv_heads, inner)
 
 
 def check_packed_calls(text_config, device, dtype) -> bool | None:
@@ -381,6 +411,8 @@ def check_packed_calls(text_config, device, dtype) -> bool | None:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise UserError(f"{PREFIX_ATTENTION_ENV}={mode}: FlashAttention's varlen call does not run here "
                         f"({first}); unset it") from None
+    if mode == "varlen-exact":
+        return unsplit_varlen_is_exact(*_head_probe(text_config, device, dtype), _INNER[0]) if _INNER else False
     return True
 
 
@@ -480,6 +512,53 @@ def batched_rows_are_exact(query, kv_heads, inner) -> bool:
     if not ok:
         log.warning("rows sharing one padded attention call do not get their own calls' bits on %s: "
                     "one call a row", torch.cuda.get_device_name(query.device))
+    return ok
+
+
+@once_per_shape
+def unsplit_varlen_is_exact(query, kv_heads, inner) -> bool:
+    """Whether, on this device, one varlen call gives rows whose own calls do not split their keys
+    the bits of those calls (attend_after_prefix with the whole row's length): checked on random rows
+    in the layouts of a warm pass's tails, of longer tails and of a state-keeping forward, each row
+    from the shortest length whose call does not split to 1601 tokens."""
+    import torch
+
+    module = _CheckModule(query.shape[1] // kv_heads)
+    scaling = query.shape[3] ** -0.5
+    sms = device_sms(query.device)
+    t0 = next(n for n in range(64, 1 << 16, 64) if attention_class(n + 1, query.shape[1], query.shape[3], sms)[2] == 0) + 1
+    forwards = []  # (whole lengths, prefixes, tokens run, per-row states)
+    for whole, prefixes, keep in (([t0 + 1, 1100, 1601, 1500, t0 + 127], [None] * 5, False),
+                                  ([t0, 1217, 1409], [128, 576, 704], False),
+                                  ([1100, 1601, t0 + 100], [0, 768, 64], True)):
+        prefixes = [p if p is not None else (n - 1) // 64 * 64 for n, p in zip(whole, prefixes)]
+        ends = [(n - 1) // 64 * 64 if keep else n for n in whole]
+        forwards.append((whole, prefixes, [e - p for e, p in zip(ends, prefixes)], keep))
+    gen = torch.Generator(device=query.device).manual_seed(0)
+    ok = True
+    try:
+        with torch.inference_mode():
+            for whole, starts, lengths, keep in forwards:
+                off, width = max(starts), max(lengths)
+
+                def rand(heads, n):
+                    return torch.randn((len(lengths), heads, n, query.shape[3]), device=query.device,
+                                       dtype=query.dtype, generator=gen)
+
+                q, k, v = rand(query.shape[1], width), rand(kv_heads, off + width), rand(kv_heads, off + width)
+                layout = PaddedLayout(tuple(lengths), tuple(starts), off, keep, calls=tuple(whole))
+                out = q.new_zeros((len(lengths), width, q.shape[1], q.shape[3]))
+                PackedRows.build(layout, q.device).attend(q, k, v, out, scaling)
+                for j, (n, p, c) in enumerate(zip(lengths, starts, whole)):
+                    own = attend_after_prefix(inner, module, q[j:j + 1, :, :n], k[j:j + 1, :, off - p: off + n],
+                                              v[j:j + 1, :, off - p: off + n], p, call=c, scaling=scaling)
+                    ok = ok and torch.equal(out[j:j + 1, :n], own)
+    except Exception as exc:  # noqa: BLE001 - no varlen call here
+        log.info("varlen calls for unsplit rows not available: %s", str(exc).splitlines()[0] if str(exc) else exc)
+        ok = False
+    if not ok:
+        log.warning("OPENJEV_PREFIX_ATTENTION=varlen-exact: one varlen call is not the rows' own calls' bits "
+                    "on this GPU: each row keeps its own call")
     return ok
 
 

@@ -36,7 +36,7 @@ from openjev.common import UserError
 
 log = logging.getLogger("openjev.kernels")
 PADDED_ATTENTION_ENV = "OPENJEV_PADDED_ATTENTION"  # rowwise (default) | shared | masked (Transformers' masked SDPA)
-PREFIX_ATTENTION_ENV = "OPENJEV_PREFIX_ATTENTION"  # whole-row (default) | varlen | varlen-tails (prefix reuse only)
+PREFIX_ATTENTION_ENV = "OPENJEV_PREFIX_ATTENTION"  # whole-row (default) | varlen | varlen-tails | varlen-exact
 
 KERNELS_ENV = "OPENJEV_KERNELS"
 KERNEL_MODES = ("auto", "torch")
@@ -440,13 +440,18 @@ def padded_attention_mode() -> str:
     return mode
 
 
+PREFIX_ATTENTION_MODES = ("whole-row", "varlen", "varlen-tails", "varlen-exact")
+
+
 def prefix_attention_mode() -> str:
     """How forwards of --prefix-reuse attend: whole-row (each row the call its whole row's forward
-    makes), varlen (every row of the forward in one variable-length FlashAttention call, GPU only) or
-    varlen-tails (so only in forwards that keep no state, whose outputs no later row reads)."""
+    makes), varlen (every row of the forward in one variable-length FlashAttention call, GPU only),
+    varlen-tails (so only in forwards that keep no state, whose outputs no later row reads) or
+    varlen-exact (one such call for the rows whose own calls would not split their keys, where a
+    check at load finds it their own calls' bits; the other rows their own calls)."""
     mode = os.environ.get(PREFIX_ATTENTION_ENV, "whole-row") or "whole-row"
-    if mode not in ("whole-row", "varlen", "varlen-tails"):
-        raise UserError(f"{PREFIX_ATTENTION_ENV}={mode!r}: expected whole-row, varlen or varlen-tails")
+    if mode not in PREFIX_ATTENTION_MODES:
+        raise UserError(f"{PREFIX_ATTENTION_ENV}={mode!r}: expected whole-row, varlen, varlen-tails or varlen-exact")
     return mode
 
 
