@@ -5,10 +5,9 @@ A right-padded forward (classifier.padded_logits, prefix.ContinuationForwards) d
 gives every row the output of the call an unpadded forward of that row makes: causal, no mask,
 FlashAttention on a GPU. A row that goes on from a prefix state runs the call its whole row's
 forward makes, with zeros for the queries the forward does not hold and for the keys it has not
-reached (`attend_after_prefix`): FlashAttention's arithmetic for a query depends on the call's length
-(whole tiles or not; where the call's query blocks do not fill the GPU, into how many splits the keys
-go), so only the whole row's length gives every query its bits, and a prefix state is shared only
-between rows whose calls agree on that (`attention_class`). With OPENJEV_PREFIX_ATTENTION=varlen
+reached (`attend_after_prefix`): where a call's query blocks do not fill the GPU, FlashAttention
+splits its keys by the call's length, so only the whole row's length gives every query its bits,
+and a prefix state is shared only between rows whose calls agree on that (`attention_class`). With OPENJEV_PREFIX_ATTENTION=varlen
 (opt-in, GPU only), forwards from prefix states instead attend in one variable-length FlashAttention
 call a layer (`PackedRows`): within about one unit in the last place of each output, not bit for
 bit; varlen-tails does so only in forwards that keep no state, so no cached state carries the
@@ -72,11 +71,12 @@ class PaddedLayout:
 
 def attention_class(length: int, heads: int, head_dim: int, sms: int) -> tuple:
     """What torch's FlashAttention (2) computes the first positions of a causal call of `length`
-    tokens with, besides their own queries, keys and values: whether the call is whole tiles (a
-    variant that rounds its own way) and, where heads x 64-query blocks do not reach 0.8 x 2 x the
-    GPU's `sms` (torch's flash_api.cpp), over how many key blocks the keys split (the number of
-    splits follows from it). Two calls of one class give a query the same bits (measured on an H100,
-    benchmarks/experiments/attention_batching_check.py)."""
+    tokens with, besides their own queries, keys and values: where heads x 64-query blocks do not
+    reach 0.8 x 2 x the GPU's `sms` (torch's flash_api.cpp), over how many key blocks the keys split
+    (the number of splits follows from it). Two calls of one class give a query the same bits
+    (measured on an H100, benchmarks/experiments/attention_batching_check.py). Calls of whole 64- and
+    128-token tiles, for which the kernel has another variant, are kept apart too: that cost little
+    and was not measured to matter (whole-tile rows matched a varlen call there)."""
     block_n = 256 if head_dim <= 64 else (128 if head_dim <= 128 else 64)
     m_blocks = -(-length // FLASH_QUERY_TILE)
     split = heads * m_blocks < 1.6 * sms
