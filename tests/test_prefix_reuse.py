@@ -68,6 +68,9 @@ def test_shared_prefixes_groups_rows_by_their_longest_shared_prefix():
     assert got == {0: 128, 2: 128, 1: 192, 3: 192}
     # what a row already has from the cache counts: no gain of min_tokens (row 0), then row 2 alone
     assert shared_prefixes(rows, [128, 0, 64, 0, 0], [len(r) - 1 for r in rows], 32) == {1: 192, 3: 192}
+    # rows of other attention groups do not share: row 0 has no partner of its group
+    groups = [b"a", b"a", b"b", b"a", b"a"]
+    assert shared_prefixes(rows, [0] * n, [len(r) - 1 for r in rows], 32, groups) == {1: 192, 3: 192}
 
 
 def test_attention_class_follows_flashattentions_key_split():
@@ -85,11 +88,17 @@ def test_attention_class_follows_flashattentions_key_split():
     assert attention_class(300, 16, 128, 132)[2] == 3  # 128-key blocks for heads of 128
 
 
-def test_rows_share_prefix_states_only_within_their_attention_group(clf):
+def test_rows_share_prefix_states_only_within_their_attention_group(clf, monkeypatch):
     """Rows of one option group whose whole attention calls differ in class run their shared prefix
     apart and cache it apart; every forward's rows attend with their whole row's call length."""
+    from openjev.engine import attention
     from openjev.engine.classifier import score_exact
     from openjev.engine.prefix import PrefixEngine
+
+    attended = []  # (prefix and tokens, call) of every row call that does not end its row
+    real = attention.attend_after_prefix
+    monkeypatch.setattr(attention, "attend_after_prefix", lambda inner, module, q, k, v, prefix, call=None, **kw: (
+        attended.append((prefix + q.shape[2], call)) or real(inner, module, q, k, v, prefix, call=call, **kw)))
 
     rows = _rows(clf.vocab_size)
     ref = score_exact(clf, rows)
@@ -105,6 +114,7 @@ def test_rows_share_prefix_states_only_within_their_attention_group(clf):
     assert apart.computed_tokens > together.computed_tokens
     assert all(p + n <= c for p, n, c in seen) and any(p + n < c for p, n, c in seen)
     assert sorted(c for p, n, c in seen if p + n == c) == sorted(map(len, rows))  # the tails end their rows
+    assert any(c > n for n, c in attended) and all(c >= n for n, c in attended)  # state-keeping calls: whole rows
     warm = split.run_step(rows, max_rows=8)
     assert warm.computed_tokens == tails(rows) and np.abs(warm.logits - ref).max() <= TOL
 
