@@ -182,7 +182,8 @@ def test_prefix_attention_mode_is_checked(monkeypatch):
     monkeypatch.setenv("OPENJEV_PREFIX_ATTENTION", "varlen")
     assert prefix_attention_mode() == "varlen"
     monkeypatch.setenv("OPENJEV_PREFIX_ATTENTION", "packed")
-    with pytest.raises(UserError, match="OPENJEV_PREFIX_ATTENTION='packed': expected whole-row, varlen, varlen-tails or varlen-exact"):
+    with pytest.raises(UserError, match="OPENJEV_PREFIX_ATTENTION='packed': expected whole-row, varlen, "
+                                        "varlen-tails or varlen-exact"):
         prefix_attention_mode()
 
 

@@ -154,6 +154,9 @@ def test_server_reports_kernel_path_and_warmup(server):
     assert info["kernel_path"]["gdn"] == "torch-fallback" and info["kernel_path"]["attn_implementation"]
     assert info["warmup"]["forwards"] >= 2 and "skipped" in info["warmup"]["fla_shapes"]
     assert info["kernel_path"]["fused"]["reason"].startswith("device cpu")  # openjev/engine/fused.py: GPU only
+    # the load's attention checks survive the warm-up's second reading of the kernel path (null on a CPU)
+    assert info["kernel_path"]["padded_attention_shared_calls"] is None
+    assert info["kernel_path"]["prefix_attention_varlen"] is None
 
 
 # ---------------------------------------------------------------- pinned autotuner configurations

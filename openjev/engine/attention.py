@@ -7,11 +7,11 @@ FlashAttention on a GPU. A row that goes on from a prefix state runs the call it
 forward makes, with zeros for the queries the forward does not hold and for the keys it has not
 reached (`attend_after_prefix`): where a call's query blocks do not fill the GPU, FlashAttention
 splits its keys by the call's length, so only the whole row's length gives every query its bits,
-and a prefix state is shared only between rows whose calls agree on that (`attention_class`). With OPENJEV_PREFIX_ATTENTION=varlen
-(opt-in, GPU only), forwards from prefix states instead attend in one variable-length FlashAttention
-call a layer (`PackedRows`): within about one unit in the last place of each output, not bit for
-bit; varlen-tails does so only in forwards that keep no state, so no cached state carries the
-difference. varlen-exact puts in that call only the rows whose own calls would not split their keys
+and a prefix state is shared only between rows whose calls agree on that (`attention_class`).
+With OPENJEV_PREFIX_ATTENTION=varlen (opt-in, GPU only), forwards from prefix states instead attend
+in one variable-length FlashAttention call a layer (`PackedRows`): within about one unit in the
+last place of each output, not bit for bit; varlen-tails does so only in forwards that keep no
+state, so no cached state carries the difference. varlen-exact puts in that call only the rows whose own calls would not split their keys
 (a varlen call never splits them, so it gives those rows their own calls' bits, measured on an H100),
 where a check at load finds it so on the device; the other rows keep their own calls.
 
@@ -94,7 +94,8 @@ def current_layout() -> PaddedLayout | None:
 def padded_layout(lengths, starts=None, offset: int = 0, per_row_states: bool = False, valid=None, calls=None):
     """Declare the right-padded forward about to run in this thread (see PaddedLayout)."""
     token = _LAYOUT.set(PaddedLayout(tuple(int(n) for n in lengths), tuple(int(p) for p in starts) if starts else None,
-                                     int(offset), per_row_states, valid, tuple(int(c) for c in calls) if calls else None))
+                                     int(offset), per_row_states, valid,
+                                     tuple(int(c) for c in calls) if calls else None))
     try:
         yield
     finally:
@@ -393,9 +394,10 @@ def unsplit_varlen_allowed(query, kv_heads: int, inner) -> bool:
 
 
 def check_packed_calls(text_config, device, dtype) -> bool | None:
-    """At load: with OPENJEV_PREFIX_ATTENTION=varlen or varlen-tails, that the variable-length call runs
-    on `device` at the model's head shape (one small call), else a one-line UserError instead of every
-    later forward failing; None with the default whole-row."""
+    """At load: with a varlen mode of OPENJEV_PREFIX_ATTENTION, that the variable-length call runs on
+    `device` at the model's head shape (one small call), else a one-line UserError instead of every
+    later forward failing; with varlen-exact, also whether it is the rows' own calls' bits there
+    (unsplit_varlen_is_exact); None with the default whole-row."""
     from openjev.common import UserError
     from openjev.engine.kernels import PREFIX_ATTENTION_ENV, prefix_attention_mode
 
@@ -526,7 +528,8 @@ def unsplit_varlen_is_exact(query, kv_heads, inner) -> bool:
     module = _CheckModule(query.shape[1] // kv_heads)
     scaling = query.shape[3] ** -0.5
     sms = device_sms(query.device)
-    t0 = next(n for n in range(64, 1 << 16, 64) if attention_class(n + 1, query.shape[1], query.shape[3], sms)[2] == 0) + 1
+    t0 = 1 + next(n for n in range(64, 1 << 16, 64)
+                  if attention_class(n + 1, query.shape[1], query.shape[3], sms)[2] == 0)  # shortest unsplit call
     forwards = []  # (whole lengths, prefixes, tokens run, per-row states)
     for whole, prefixes, keep in (([t0 + 1, 1100, 1601, 1500, t0 + 127], [None] * 5, False),
                                   ([t0, 1217, 1409], [128, 576, 704], False),

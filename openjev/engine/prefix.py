@@ -439,7 +439,8 @@ class PrefixEngine:
             prefixes.setdefault(keys[i], (i, length))
         if prefixes:
             plan = list(prefixes.values())  # each from its row's cached state, shorter than the prefix
-            _, states = forward("shared", [(best[i], rows[i][have(i):length], len(rows[i])) for i, length in plan], True)
+            items = [(best[i], rows[i][have(i):length], len(rows[i])) for i, length in plan]
+            _, states = forward("shared", items, True)
             made = dict(zip(prefixes, states))
             if self.cache is not None:
                 for (i, length), st in zip(plan, states):

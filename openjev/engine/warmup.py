@@ -51,7 +51,7 @@ def prepare_serving(clf, batching: str, max_rows: int = 16, max_tokens: int | No
     where they are bitwise Transformers' modules (OPENJEV_FUSED=off keeps none) or, instead,
     torch.compile of the norm/MLP modules (OPENJEV_COMPILE=1); fla autotune warm-up for forwards
     of up to `max_rows` rows and `max_tokens` padded tokens (default $OPENJEV_WARM_TOKENS or
-    16384), then warm-up forwards; the kernel path is read again afterwards."""
+    16384), then warm-up forwards; the kernel path is read again afterwards (the load's checks kept)."""
     compiled = 0
     if os.environ.get("OPENJEV_COMPILE") == "1" and clf.device != "cpu":
         compiled = compile_pointwise(clf.model)
@@ -64,5 +64,5 @@ def prepare_serving(clf, batching: str, max_rows: int = 16, max_tokens: int | No
     warm = warm_up(clf, synthetic_rows(clf.vocab_size), padded=batching != "exact")
     warm["compiled_modules"] = compiled
     warm["fla_shapes"] = shapes
-    clf.kernels = kernel_path(clf.model)
+    clf.kernels = {**(clf.kernels or {}), **kernel_path(clf.model)}  # the load's checks stay
     return warm
