@@ -353,7 +353,7 @@ def _plan(layout: PaddedLayout, query, kv_heads: int, inner) -> RowPlan:
     if packed == "varlen-exact" and packed_calls_allowed(query) and unsplit_varlen_allowed(query, kv_heads, inner):
         whole = unsplit_rows(layout.call_lengths(), query)
         if len(whole) > 1:
-            plan = RowPlan([j for j in range(len(layout.lengths)) if j not in set(whole)], None,
+            plan = RowPlan(sorted(set(range(len(layout.lengths))) - set(whole)), None,
                            packed=PackedRows.build(layout, query.device, whole))
             layout.plans[key] = plan
             return plan

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from openjev.engine.attention import attention_class, current_layout, padded_layout
+from openjev.engine.attention import attention_class, current_layout, device_sms, padded_layout
 from openjev.engine.batching import StepResult, length_groups
 from openjev.engine.transfer import to_device
 
@@ -305,16 +305,11 @@ class ContinuationForwards:
         return states
 
 
-def attention_classes(clf):
+def attention_classes(device, heads: int, head_dim: int):
     """length -> the attention group key of rows of that length (see PrefixEngine.group)."""
-    if not str(clf.device).startswith("cuda"):
+    if not str(device).startswith("cuda"):
         return lambda _n: b""
-    import torch
-
-    text = clf.model.config.get_text_config()
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    sms = torch.cuda.get_device_properties(clf.device).multi_processor_count
+    sms = device_sms(device)
 
     @functools.lru_cache(maxsize=None)
     def key(n: int) -> bytes:
@@ -376,7 +371,7 @@ class PrefixEngine:
         self.clf = clf
         self.cache = PrefixCache(budget_bytes) if budget_bytes > 0 else None
         self.min_tokens = min_tokens
-        self.classes = attention_classes(clf)
+        self.classes = attention_classes(clf.device, self.forwards.text.num_attention_heads, self.forwards.head_dim)
 
     def group(self, row) -> bytes:
         """The rows that may share `row`'s prefix states: those whose whole attention calls give the
