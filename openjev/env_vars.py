@@ -67,6 +67,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("OPENJEV_KERNELS", "operator", "auto", "the embedded backend, score_reference.py",
            "torch forces Transformers' PyTorch GDN fallback instead of flash-linear-attention"),
     EnvVar("OPENJEV_FUSED", "operator", "auto", "the embedded backend", "off keeps every module as Transformers wrote it"),
+    EnvVar("OPENJEV_PACKED_MLP", "operator", "off", "the embedded backend",
+           "on: a padded forward runs each MLP on its real tokens only, where a check at load finds that "
+           "bitwise the padded rows (not yet run on a GPU)"),
     EnvVar("OPENJEV_COMPILE", "operator", "unset", "the embedded backend", "1: torch.compile of the norm and MLP modules instead"),
     EnvVar("OPENJEV_CUDNN", "operator", "unset", "the embedded backend", "1 keeps cuDNN on for GPU forwards"),
     EnvVar("OPENJEV_PADDED_ATTENTION", "operator", "rowwise", "the embedded backend",

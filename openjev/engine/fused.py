@@ -542,6 +542,9 @@ def fused_record(model) -> dict | None:
 
 def remove_fused(model) -> None:
     """Give every module back Transformers' forward (benchmarks compare both in one process)."""
+    from openjev.engine.packing import remove_packed_mlp
+
+    remove_packed_mlp(model)
     for m in model.modules():
         fwd = m.__dict__.get("forward")
         if getattr(fwd, "func", None) in [forward for _, forward, _ in MODULE_PIECES.values()]:

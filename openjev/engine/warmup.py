@@ -9,6 +9,7 @@ import time
 
 from openjev.engine.classifier import score_exact, score_padded
 from openjev.engine.kernels import compile_pointwise, kernel_path, warm_fla_shapes
+from openjev.engine.packing import install_packed_mlp
 
 log = logging.getLogger("openjev.kernels")
 
@@ -49,7 +50,8 @@ WARM_TOKENS_ENV = "OPENJEV_WARM_TOKENS"
 def prepare_serving(clf, batching: str, max_rows: int = 16, max_tokens: int | None = None) -> dict:
     """What the embedded server does after loading: on a GPU, the fused kernels of openjev/engine/fused.py
     where they are bitwise Transformers' modules (OPENJEV_FUSED=off keeps none) or, instead,
-    torch.compile of the norm/MLP modules (OPENJEV_COMPILE=1); fla autotune warm-up for forwards
+    torch.compile of the norm/MLP modules (OPENJEV_COMPILE=1); with OPENJEV_PACKED_MLP=on, padded
+    forwards' MLPs on their real tokens (openjev/engine/packing.py); fla autotune warm-up for forwards
     of up to `max_rows` rows and `max_tokens` padded tokens (default $OPENJEV_WARM_TOKENS or
     16384), then warm-up forwards; the kernel path is read again afterwards (the load's checks kept)."""
     compiled = 0
@@ -59,6 +61,7 @@ def prepare_serving(clf, batching: str, max_rows: int = 16, max_tokens: int | No
         from openjev.engine.fused import apply_fused
 
         apply_fused(clf.model, clf.device)
+    install_packed_mlp(clf.model, clf.device)
     tokens = max_tokens or int(os.environ.get(WARM_TOKENS_ENV) or 16384)
     shapes = warm_fla_shapes(clf, max_rows if batching != "exact" else 1, tokens if batching != "exact" else 4096)
     warm = warm_up(clf, synthetic_rows(clf.vocab_size), padded=batching != "exact")
