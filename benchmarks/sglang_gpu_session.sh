@@ -252,7 +252,7 @@ stage_embedded_prefix() {  # the embedded backend with --prefix-reuse: per set, 
 
 stage_prefix_profile() {
   local s set m dir
-  "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_prefix_reuse.py tests/test_attention.py 2>&1 | tee "$R/prefix_gpu_tests.txt"
+  "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_prefix_reuse.py tests/test_attention.py tests/test_packing.py 2>&1 | tee "$R/prefix_gpu_tests.txt"
   for s in $SETS; do
     set=$(set_path "$s") || return 1
     for m in ${PADDED_ATTENTION_MODES:-rowwise}; do
