@@ -27,7 +27,7 @@
 #                    PREFIX_DIVERGENCE_ROWS (default 49,95,71,1) against their exact forwards
 #                    (results/prefix_profile_SET/, or _MODE for each OPENJEV_PADDED_ATTENTION mode in
 #                    PADDED_ATTENTION_MODES, e.g. "rowwise shared", other than the default rowwise); first the GPU tests of
-#                    tests/test_prefix_reuse.py and tests/test_attention.py
+#                    tests/test_prefix_reuse.py, tests/test_attention.py and tests/test_packing.py
 #   ssm_fp16         radix cache with SGLANG_MAMBA_SSM_DTYPE=float16 (the SM70 setting): flushed bench
 #                    on the T-like set, for the state-dtype comparison on the longest inputs
 #   variant          one server with VARIANT_ARGS (serve_sglang_v100.sh flags) and VARIANT_ENV
