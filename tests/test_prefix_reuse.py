@@ -107,13 +107,13 @@ def test_rows_share_prefix_states_only_within_their_attention_group(clf, monkeyp
     split.classes = lambda n: bytes([n % 2])  # two classes, as a GPU's key split makes them
     seen = []
     run = split.forwards.run
-    split.forwards.run = lambda items, want: seen.extend(
-        (s.length if s is not None else 0, len(t), c) for s, t, c in items) or run(items, want)
+    split.forwards.run = lambda items, want, keep=None: seen.extend(
+        (s.length if s is not None else 0, len(t), c) for s, t, c in items) or run(items, want, keep)
     together, apart = one.run_step(rows, max_rows=8), split.run_step(rows, max_rows=8)
     assert np.abs(apart.logits - ref).max() <= TOL
     assert apart.computed_tokens > together.computed_tokens
     assert all(p + n <= c for p, n, c in seen) and any(p + n < c for p, n, c in seen)
-    assert sorted(c for p, n, c in seen if p + n == c) == sorted(map(len, rows))  # the tails end their rows
+    assert sorted(c for p, n, c in seen if p + n == c) == sorted(map(len, rows))  # each row ends once
     assert any(c > n for n, c in attended) and all(c >= n for n, c in attended)  # state-keeping calls: whole rows
     warm = split.run_step(rows, max_rows=8)
     assert warm.computed_tokens == tails(rows) and np.abs(warm.logits - ref).max() <= TOL
@@ -317,6 +317,60 @@ def test_padding_inert_chunk_gives_each_padded_row_its_own_final_state():
     for b, n in enumerate(lengths):
         o, s = _with_state(q[b:b + 1, :n], k[b:b + 1, :n], v[b:b + 1, :n], g[b:b + 1, :n], beta[b:b + 1, :n], init[b:b + 1])
         assert torch.equal(out[b, :n], o[0]) and torch.equal(finals[b], s[0])
+    # keeping the state after fewer tokens than a row runs: the state there, every real token's output
+    keep = [3, 9, 1]
+    with padded_layout(lengths, per_row_states=True, keep=keep):
+        out, finals = wrapped(q, k, v, g, beta, initial_state=init, output_final_state=True)
+    for b, (n, kept) in enumerate(zip(lengths, keep)):
+        o, _ = _with_state(q[b:b + 1, :n], k[b:b + 1, :n], v[b:b + 1, :n], g[b:b + 1, :n], beta[b:b + 1, :n], init[b:b + 1])
+        _, s = _with_state(q[b:b + 1, :kept], k[b:b + 1, :kept], v[b:b + 1, :kept], g[b:b + 1, :kept],
+                           beta[b:b + 1, :kept], init[b:b + 1])
+        assert torch.equal(out[b, :n], o[0]) and torch.equal(finals[b], s[0])
+
+
+@pytest.mark.gpu
+def test_a_state_kept_inside_a_forward_is_bitwise_two_forwards_on_a_gpu():
+    """fla's chunked rule at Qwen3.5-4B's GDN shape in FP16: rows that run past the chunk boundary whose
+    state they keep give that state and every output bit for bit as a forward to the boundary and a
+    forward of the rest from its state, as the prefix path ran them before."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: fla's kernels are Triton GPU kernels")
+    chunk = pytest.importorskip("fla.ops.gated_delta_rule").chunk_gated_delta_rule
+    from openjev.engine.attention import padded_layout
+    from openjev.engine.prefix import padding_inert_chunk
+
+    def inner(q, k, v, g, beta, initial_state=None, output_final_state=False, **kw):
+        return chunk(q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=output_final_state,
+                     use_qk_l2norm_in_kernel=True)
+
+    gen = torch.Generator().manual_seed(3)
+    lengths, keep = [700, 1217, 130, 64], [640, 1216, 128, 64]
+    width, heads = max(lengths), 32
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to("cuda", torch.float16)
+
+    q, k, v = rnd(4, width, heads, 128), rnd(4, width, heads, 128), rnd(4, width, heads, 128)
+    g = -torch.rand(4, width, heads, generator=gen).cuda() * 0.1
+    beta = torch.rand(4, width, heads, generator=gen).to("cuda", torch.float16)
+    init = torch.randn(4, heads, 128, 128, generator=gen).cuda()
+    wrapped = padding_inert_chunk(inner)
+    with torch.inference_mode():
+        with padded_layout(lengths, per_row_states=True, keep=keep):
+            out, kept = wrapped(q, k, v, g, beta, initial_state=init, output_final_state=True)
+        w = max(keep)
+        with padded_layout(keep, per_row_states=True):
+            body, state = wrapped(q[:, :w], k[:, :w], v[:, :w], g[:, :w], beta[:, :w], initial_state=init,
+                                  output_final_state=True)
+        assert torch.equal(kept, state)
+        tail_len = max(n - kk for n, kk in zip(lengths, keep))
+        for b, (n, kk) in enumerate(zip(lengths, keep)):
+            assert torch.equal(out[b, :kk], body[b, :kk]), b
+            if n > kk:
+                idx = torch.arange(kk, kk + tail_len).clamp(max=width - 1)
+                tail, _ = inner(*(x[b:b + 1, idx] for x in (q, k, v, g, beta)), initial_state=state[b:b + 1])
+                assert torch.equal(out[b, kk:n], tail[0, : n - kk]), b
 
 
 @pytest.mark.gpu

@@ -51,7 +51,9 @@ class PaddedLayout:
     on from a prefix state (openjev/engine/prefix.py) the prefix length, where the cached keys end
     (prefixes are left-padded to `offset`) and the length of the row's whole attention call (`calls`,
     at least prefix and tokens: the whole row's length); per_row_states asks for each row's own final
-    GDN state, `valid` (optional, [rows, width] bool on the device) marks the real tokens."""
+    GDN state, `valid` (optional, [rows, width] bool on the device) marks the tokens the kept state
+    covers; `keep` (optional) is each row's count of them where a row keeps the state after fewer
+    tokens than it runs (openjev/engine/prefix.py padding_inert_chunk)."""
 
     lengths: tuple
     starts: tuple | None = None
@@ -59,6 +61,7 @@ class PaddedLayout:
     per_row_states: bool = False
     valid: object = None
     calls: tuple | None = None
+    keep: tuple | None = None
     plans: dict = field(default_factory=dict, compare=False, repr=False)  # per device: the attention plan
 
     def call_lengths(self) -> list[int]:
@@ -91,11 +94,13 @@ def current_layout() -> PaddedLayout | None:
 
 
 @contextlib.contextmanager
-def padded_layout(lengths, starts=None, offset: int = 0, per_row_states: bool = False, valid=None, calls=None):
+def padded_layout(lengths, starts=None, offset: int = 0, per_row_states: bool = False, valid=None, calls=None,
+                  keep=None):
     """Declare the right-padded forward about to run in this thread (see PaddedLayout)."""
     token = _LAYOUT.set(PaddedLayout(tuple(int(n) for n in lengths), tuple(int(p) for p in starts) if starts else None,
                                      int(offset), per_row_states, valid,
-                                     tuple(int(c) for c in calls) if calls else None))
+                                     tuple(int(c) for c in calls) if calls else None,
+                                     tuple(int(k) for k in keep) if keep else None))
     try:
         yield
     finally:

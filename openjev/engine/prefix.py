@@ -16,8 +16,9 @@ agreement goal applies; the default path stays the exact one.
 
 A step: (1) every row looks up the longest cached prefix of itself; (2) rows of the step that share
 at least `min_tokens` tokens beyond that run the shared part once; (3) each row runs from its best
-state to its last chunk boundary (a multiple of 64 tokens), that state is cached, (4) the rest of the
-row gives the logits. Without a cache budget, (3) and (4) are one forward. Every state sits on a chunk
+state to its end, and where that passes its last chunk boundary (a multiple of 64 tokens) the state
+there is cached: the GDN rule runs to the boundary, then the rest (at most a chunk) from the state it
+kept, as a later forward from the cached state would. Every state sits on a chunk
 boundary of the GDN kernels, so the chunks a continuation runs are those of the exact forward."""
 
 from __future__ import annotations
@@ -219,14 +220,18 @@ class ContinuationForwards:
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         install_per_row_gdn(clf.model)
 
-    def run(self, items: list, want_states: bool):
+    def run(self, items: list, want_states: bool, keep: list | None = None):
         """items: (start PrefixState or None, tokens to run, the whole row's length). Returns (logits
-        [n, 3] on the device, the state after each row, or None)."""
+        [n, 3] on the device, the state after each row, or None). With `keep` (per row: how many of its
+        tokens the kept state covers, or None for no state), the states are taken there and the rows'
+        other tokens still run in this forward (padding_inert_chunk)."""
         torch = self.torch
         dev = self.clf.device
         starts = [s.length if s is not None else 0 for s, _, _ in items]
         lengths = [len(t) for _, t, _ in items]
         calls = [c for _, _, c in items]
+        kept = [n if k is None else k for k, n in zip(keep, lengths)] if keep is not None else lengths
+        want_states = want_states or (keep is not None and any(k is not None for k in keep))
         width, offset = max(lengths), max(starts)
         n = len(items)
         ids = torch.full((n, width), self.clf.pad_token_id, dtype=torch.long)
@@ -238,14 +243,20 @@ class ContinuationForwards:
             pos[b] = torch.arange(start, start + width)
         with torch.profiler.record_function("openjev.prefix.cache_build"):
             cache = self._cache([s for s, _, _ in items], offset, want_states)
+        valid = None
+        if want_states:
+            valid = torch.arange(width)[None, :] < torch.tensor(kept)[:, None]
         ids, mask, pos = (to_device(t, dev) for t in (ids, mask, pos))
-        valid = mask[:, offset:].bool() if want_states else None
+        valid = to_device(valid, dev) if valid is not None else None
         with torch.inference_mode(), padded_layout(lengths, starts, offset, per_row_states=want_states, valid=valid,
-                                                   calls=calls):
+                                                   calls=calls, keep=kept if kept != lengths else None):
             out = self.clf.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                                  past_key_values=cache, use_cache=True)
             with torch.profiler.record_function("openjev.prefix.states"):
-                states = self._states(cache, starts, lengths, offset) if want_states else None
+                states = None
+                if want_states:
+                    wanted = [b for b in range(n) if keep is None or keep[b] is not None]
+                    states = self._states(cache, starts, kept, offset, wanted)
         return out.logits, states
 
     def _cache(self, starts: list, offset: int, record: bool):
@@ -285,8 +296,9 @@ class ContinuationForwards:
                 layer.keys, layer.values = k_all[k], v_all[k]
         return cache
 
-    def _states(self, cache, starts, lengths, offset) -> list[PrefixState]:
-        """Each row's state after its real tokens, one allocation per row and kind."""
+    def _states(self, cache, starts, lengths, offset, wanted: list[int]) -> list:
+        """The state of each row in `wanted` after its first `lengths` tokens (None for the other
+        rows), one allocation per row and kind."""
         torch = self.torch
         ends = torch.tensor(lengths, dtype=torch.long)[:, None] + torch.arange(self.kernel)  # a row's last inputs
         ends = to_device(ends, self.clf.device)
@@ -296,12 +308,13 @@ class ContinuationForwards:
             convs.append(recorded.gather(2, ends[:, None, :].expand(-1, recorded.shape[1], -1)))
         conv_all = torch.stack(convs, 1)  # [rows, layers, conv_dim, kernel]
         rec_all = torch.stack([cache.layers[li].recurrent_states[0] for li in self.linear], 1)
-        states = []
-        for b, (start, n) in enumerate(zip(starts, lengths)):
+        states: list = [None] * len(starts)
+        for b in wanted:
+            start, n = starts[b], lengths[b]
             span = slice(offset - start, offset + n)
             keys = torch.stack([cache.layers[li].keys[b, :, span] for li in self.attention])
             values = torch.stack([cache.layers[li].values[b, :, span] for li in self.attention])
-            states.append(PrefixState(start + n, conv_all[b].clone(), rec_all[b].clone(), keys, values))
+            states[b] = PrefixState(start + n, conv_all[b].clone(), rec_all[b].clone(), keys, values)
         return states
 
 
@@ -351,16 +364,44 @@ def padding_inert_chunk(inner):
         import torch
 
         width = query.shape[1]
+        kept = layout.keep or layout.lengths
         valid = layout.valid
         if valid is None or tuple(valid.shape) != (query.shape[0], width):
-            lengths = torch.tensor(layout.lengths, device=query.device)
-            valid = torch.arange(width, device=query.device)[None, :] < lengths[:, None]
+            valid = torch.arange(width, device=query.device)[None, :] < torch.tensor(kept, device=query.device)[:, None]
         real = valid.reshape(valid.shape + (1,) * (g.dim() - 2))
-        g, beta = torch.where(real, g, torch.zeros_like(g)), torch.where(real, beta, torch.zeros_like(beta))
-        return inner(query, key, value, g, beta, *args, initial_state=initial_state, output_final_state=True, **kwargs)
+        inert_g, inert_beta = torch.where(real, g, torch.zeros_like(g)), torch.where(real, beta, torch.zeros_like(beta))
+        out, state = inner(query, key, value, inert_g, inert_beta, *args, initial_state=initial_state,
+                           output_final_state=True, **kwargs)
+        if layout.keep is not None and any(k < n for k, n in zip(layout.keep, layout.lengths)):
+            after = _after_kept_state(inner, (query, key, value, g, beta), args, kwargs, state, layout)
+            out[after[0]] = after[1]
+        return out, state
 
     chunk_with_inert_padding._openjev_per_row = True
     return chunk_with_inert_padding
+
+
+def _after_kept_state(inner, inputs, args, kwargs, state, layout):
+    """The tokens each row runs after the state it keeps (layout.keep; at most a chunk), gathered to
+    the front of a call of their own that starts from the kept states: the call the row's tail
+    forward would make from the cached state. Returns (index of those tokens in the padded call,
+    their outputs)."""
+    import torch
+
+    device = inputs[0].device
+    rows = len(layout.lengths)
+    after = [n - k for k, n in zip(layout.keep, layout.lengths)]
+    span = max(after)
+    width = inputs[0].shape[1]
+    pos = torch.tensor(layout.keep)[:, None] + torch.arange(span)[None, :]  # [rows, span]
+    real = torch.arange(span)[None, :] < torch.tensor(after)[:, None]
+    take = to_device(pos.clamp(max=width - 1), device)
+    row_index = to_device(torch.arange(rows)[:, None].expand(rows, span).contiguous(), device)
+    gathered = [x[row_index, take] for x in inputs]
+    out, _ = inner(*gathered, *args, initial_state=state, output_final_state=False, **kwargs)
+    rows_real, cols_real = real.nonzero(as_tuple=True)
+    place = (to_device(rows_real, device), to_device(pos[rows_real, cols_real], device))
+    return place, out[to_device(rows_real, device), to_device(cols_real, device)]
 
 
 class PrefixEngine:
@@ -410,13 +451,13 @@ class PrefixEngine:
 
         torch = self.forwards.torch
 
-        def forward(phase, items, want_states):
+        def forward(phase, items, want_states, keep=None):
             logits_all, states_all = [None] * len(items), [None] * len(items)
             rows_cap = max(max_rows, PREFIX_TAIL_FORWARD_ROWS if phase == "tail" else PREFIX_FORWARD_ROWS)
             for idx in length_groups([len(t) for _, t, _ in items], rows_cap, PREFIX_FORWARD_COST_TOKENS):
                 group = [items[i] for i in idx]
                 with torch.profiler.record_function(f"openjev.prefix.{phase}"):
-                    logits, states = self.forwards.run(group, want_states)
+                    logits, states = self.forwards.run(group, want_states, [keep[i] for i in idx] if keep else None)
                 stats["forwards"] += 1
                 stats["computed"] += sum(len(t) for _, t, _ in group)
                 stats["padded"] += max(len(t) for _, t, _ in group) * len(group)
@@ -445,14 +486,20 @@ class PrefixEngine:
         if self.cache is None:
             out, _ = forward("rows", [(best[i], rows[i][have(i):], len(rows[i])) for i in range(n)], False)
         else:
+            out = [None] * n
+            # rows short of their last chunk boundary run to their end, keeping the state at it
             body = [i for i in range(n) if have(i) < limits[i]]
             if body:
-                items = [(best[i], rows[i][have(i): limits[i]], len(rows[i])) for i in body]
-                _, states = forward("body", items, True)
-                for i, st in zip(body, states):
+                items = [(best[i], rows[i][have(i):], len(rows[i])) for i in body]
+                logits, states = forward("body", items, True, [limits[i] - have(i) for i in body])
+                for k, (i, st) in enumerate(zip(body, states)):
                     self.cache.put(rows[i][:limits[i]], st, groups[i])
-                    best[i] = st
-            out, _ = forward("tail", [(best[i], rows[i][limits[i]:], len(rows[i])) for i in range(n)], False)
+                    out[i] = logits[k]
+            tails = [i for i in range(n) if have(i) >= limits[i]]
+            if tails:
+                logits, _ = forward("tail", [(best[i], rows[i][limits[i]:], len(rows[i])) for i in tails], False)
+                for k, i in enumerate(tails):
+                    out[i] = logits[k]
         with torch.inference_mode():
             logits = torch.stack(out).float().cpu().numpy().astype(np.float32, copy=False)
         return StepResult(logits, stats["forwards"], stats["computed"], stats["padded"],
