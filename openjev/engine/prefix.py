@@ -486,20 +486,17 @@ class PrefixEngine:
         if self.cache is None:
             out, _ = forward("rows", [(best[i], rows[i][have(i):], len(rows[i])) for i in range(n)], False)
         else:
-            out = [None] * n
-            # rows short of their last chunk boundary run to their end, keeping the state at it
+            # every row runs from its best state to its end; a row short of its last chunk boundary
+            # keeps the state there. Where no row is, the step is tails only (at most a chunk a row).
             body = [i for i in range(n) if have(i) < limits[i]]
+            items = [(best[i], rows[i][have(i):], len(rows[i])) for i in range(n)]
             if body:
-                items = [(best[i], rows[i][have(i):], len(rows[i])) for i in body]
-                logits, states = forward("body", items, True, [limits[i] - have(i) for i in body])
-                for k, (i, st) in enumerate(zip(body, states)):
-                    self.cache.put(rows[i][:limits[i]], st, groups[i])
-                    out[i] = logits[k]
-            tails = [i for i in range(n) if have(i) >= limits[i]]
-            if tails:
-                logits, _ = forward("tail", [(best[i], rows[i][limits[i]:], len(rows[i])) for i in tails], False)
-                for k, i in enumerate(tails):
-                    out[i] = logits[k]
+                keep = [limits[i] - have(i) if have(i) < limits[i] else None for i in range(n)]
+                out, states = forward("body", items, False, keep)
+                for i in body:
+                    self.cache.put(rows[i][:limits[i]], states[i], groups[i])
+            else:
+                out, _ = forward("tail", items, False)
         with torch.inference_mode():
             logits = torch.stack(out).float().cpu().numpy().astype(np.float32, copy=False)
         return StepResult(logits, stats["forwards"], stats["computed"], stats["padded"],
