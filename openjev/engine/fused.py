@@ -541,10 +541,8 @@ def fused_record(model) -> dict | None:
 
 
 def remove_fused(model) -> None:
-    """Give every module back Transformers' forward (benchmarks compare both in one process)."""
-    from openjev.engine.packing import remove_packed_mlp
-
-    remove_packed_mlp(model)
+    """Give every module back Transformers' forward (benchmarks compare both in one process); a packed
+    MLP (openjev/engine/packing.py remove_packed_mlp) is taken off first."""
     for m in model.modules():
         fwd = m.__dict__.get("forward")
         if getattr(fwd, "func", None) in [forward for _, forward, _ in MODULE_PIECES.values()]:

@@ -483,9 +483,6 @@ def kernel_path(model) -> dict:
     from openjev.engine.fused import fused_record
 
     info["fused"] = fused_record(model)
-    from openjev.engine.packing import packed_mlp_record
-
-    info["packed_mlp"] = packed_mlp_record(model)
     info["compiled_modules"] = sorted({type(m).__name__ for m in model.modules() if getattr(m, "_openjev_compiled", False)})
     for mod, key in (("fla", "fla_version"), ("triton", "triton_version"), ("causal_conv1d", "causal_conv1d_version")):
         m = sys.modules.get(mod)

@@ -9,7 +9,7 @@ import time
 
 from openjev.engine.classifier import score_exact, score_padded
 from openjev.engine.kernels import compile_pointwise, kernel_path, warm_fla_shapes
-from openjev.engine.packing import install_packed_mlp
+from openjev.engine.packing import install_packed_mlp, packed_mlp_record
 
 log = logging.getLogger("openjev.kernels")
 
@@ -67,5 +67,6 @@ def prepare_serving(clf, batching: str, max_rows: int = 16, max_tokens: int | No
     warm = warm_up(clf, synthetic_rows(clf.vocab_size), padded=batching != "exact")
     warm["compiled_modules"] = compiled
     warm["fla_shapes"] = shapes
-    clf.kernels = {**(clf.kernels or {}), **kernel_path(clf.model)}  # the load's checks stay
+    clf.kernels = {**(clf.kernels or {}), **kernel_path(clf.model),  # the load's checks stay
+                   "packed_mlp": packed_mlp_record(clf.model)}
     return warm
