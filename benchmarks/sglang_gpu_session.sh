@@ -28,6 +28,10 @@
 #                    (results/prefix_profile_SET/, or _MODE for each OPENJEV_PADDED_ATTENTION mode in
 #                    PADDED_ATTENTION_MODES, e.g. "rowwise shared", other than the default rowwise); first the GPU tests of
 #                    tests/test_prefix_reuse.py, tests/test_attention.py and tests/test_packing.py
+#   embedded_prefix_baseline  embedded_prefix with openjev/ from BASELINE (a tarball of `git archive COMMIT
+#                    openjev`, e.g. carried in .carry/): the same-lease "before" of a change, receipts tagged _baseline
+#   prefix_passes    in process, no profiler: PREFIX_PASSES (5) flushed and warm passes of prefix reuse for each set,
+#                    this tree and BASELINE's (if set), alternated twice (results/prefix_passes_SET_TREE_RUN/)
 #   ssm_fp16         radix cache with SGLANG_MAMBA_SSM_DTYPE=float16 (the SM70 setting): flushed bench
 #                    on the T-like set, for the state-dtype comparison on the longest inputs
 #   variant          one server with VARIANT_ARGS (serve_sglang_v100.sh flags) and VARIANT_ENV
@@ -51,7 +55,9 @@
 # OPENJEV_PADDED_ATTENTION=shared, which the servers read from the environment), EMBEDDED_ARGS (more
 # serve_transformers.py flags for both embedded stages, e.g. --log-level debug: one line a step),
 # SGLANG_ARGS (more serve_sglang_v100.sh flags), STAGE_TIMEOUT (seconds a stage, default 560),
-# REPETITIONS (3). Stand-ins: sgl-kernel's compiled ops are not carried (a 356 MiB wheel); its
+# REPETITIONS (3), BASELINE, PREFIX_PASSES. For the embedded stages alone .carry/wheels may leave out the sglang,
+# pycountry and mistral_common wheels (with them the set and the tree passed the GPU tool's 64 MiB limit); setup
+# then installs the rest and skips the stand-ins' test. Stand-ins: sgl-kernel's compiled ops are not carried (a 356 MiB wheel); its
 # Python package falls back to `import common_ops`, which tests/openjev_testsupport/sgl_kernel_cuda_standin/shim
 # provides (pure-PyTorch norms and silu_and_mul, checked against FlashInfer's kernels).
 set -uo pipefail
@@ -89,12 +95,26 @@ stage_setup() {
       .carry/wheels/*.whl || return 1
   fi
   nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv >"$R/nvidia_smi.csv" 2>&1
-  "$PY" -c 'import torch, transformers, triton, sglang, fla; print("torch", torch.__version__, "cuda", torch.version.cuda,
-"transformers", transformers.__version__, "triton", triton.__version__, "sglang", sglang.__version__, "fla", fla.__version__)' \
-    | tee "$R/versions.txt"
+  "$PY" -c 'import importlib.util as u, torch, transformers, triton, fla
+sg = __import__("sglang").__version__ if u.find_spec("sglang") else "not carried"
+print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__,
+      "triton", triton.__version__, "sglang", sg, "fla", fla.__version__)' | tee "$R/versions.txt"
   cp .carry/wheels/manifest.json "$R/carried_wheels.json"
+  if ! ls .carry/wheels/sglang-*.whl >/dev/null 2>&1; then
+    echo "setup: no sglang wheel carried (embedded stages only): the stand-ins' GPU test is SGLang's, not run"
+    return 0
+  fi
   "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_sgl_cuda_standin.py 2>&1 | tee "$R/standin_gpu_tests.txt"
   return "${PIPESTATUS[0]}"
+}
+
+baseline_tree() {  # the repository with openjev/ from BASELINE (a tarball of `git archive COMMIT openjev`), once
+  local tree="$W/baseline"
+  [ -n "${BASELINE:-}" ] || { echo "BASELINE is not set: a tarball of git archive COMMIT openjev" >&2; return 1; }
+  if [ ! -d "$tree/openjev" ]; then
+    mkdir -p "$tree" && cp -a "$REPO/." "$tree/" && rm -rf "$tree/openjev" && tar -xf "$BASELINE" -C "$tree" || return 1
+  fi
+  echo "$tree"
 }
 
 stage_prep() {
@@ -250,6 +270,28 @@ stage_embedded_prefix() {  # the embedded backend with --prefix-reuse: per set, 
   return 0
 }
 
+stage_embedded_prefix_baseline() {  # embedded_prefix with openjev/ from BASELINE, receipts tagged _baseline
+  local tree
+  tree=$(baseline_tree) || return 1
+  (cd "$tree" && PYTHONPATH="$tree:$tree/tests:$PYTHONPATH" EMBEDDED_TAG=_baseline${EMBEDDED_TAG:-} stage_embedded_prefix)
+}
+
+stage_prefix_passes() {  # in process, no profiler: flushed and warm passes of this tree and BASELINE's, alternated
+  local s set tree run dir
+  for s in $SETS; do
+    set=$(set_path "$s") || return 1
+    for run in 1 2; do
+      for tree in "$REPO" ${BASELINE:+baseline}; do
+        [ "$tree" = baseline ] && { tree=$(baseline_tree) || return 1; }
+        dir="$R/prefix_passes_${s}_$([ "$tree" = "$REPO" ] && echo this || echo baseline)_$run"
+        (cd "$tree" && PYTHONPATH="$tree:$tree/tests:$PYTHONPATH" "$PY" benchmarks/experiments/prefix_reuse_profile.py \
+          --model "$MODEL" --tokens "$set.tokens.jsonl" --out "$dir" --device cuda --cache-mb "${PREFIX_CACHE_MB:-49152}" \
+          --modes prefix_flushed,prefix_warm --passes "${PREFIX_PASSES:-5}" --no-profile) || return 1
+      done
+    done
+  done
+}
+
 stage_prefix_profile() {
   local s set m dir
   "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_prefix_reuse.py tests/test_attention.py tests/test_packing.py 2>&1 | tee "$R/prefix_gpu_tests.txt"
@@ -265,8 +307,9 @@ stage_prefix_profile() {
 }
 
 export REPO PY W R SITE SETS REPS SHAPE MODEL LABEL SGLANG_ARGS VARIANT_ARGS VARIANT_ENV VARIANT_TAG VARIANT_MODES
-export TUNE_SETS TUNE_PROFILES TUNE_DEADLINE TO PACK PREFIX_CACHE_MB PREFIX_DIVERGENCE_ROWS PADDED_ATTENTION_MODES
+export TUNE_SETS TUNE_PROFILES TUNE_DEADLINE TO PACK PREFIX_CACHE_MB PREFIX_DIVERGENCE_ROWS PADDED_ATTENTION_MODES BASELINE PREFIX_PASSES
 export -f log code pack free_port set_path wait_healthy bench server_info run_sglang stage_setup stage_prep stage_sglang_cache \
-  stage_sglang_uncached stage_ssm_fp16 stage_embedded stage_embedded_prefix stage_prefix_profile stage_variant stage_native_ops stage_divergence stage_tune
+  stage_sglang_uncached stage_ssm_fp16 stage_embedded stage_embedded_prefix stage_prefix_profile stage_variant stage_native_ops stage_divergence stage_tune \
+  baseline_tree stage_embedded_prefix_baseline stage_prefix_passes
 # shellcheck disable=SC2086 # STAGES is a word list
 run_stages ${STAGES:-setup prep sglang_cache sglang_uncached embedded}
