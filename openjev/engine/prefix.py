@@ -386,22 +386,29 @@ def _after_kept_state(inner, inputs, args, kwargs, state, layout):
     the front of a call of their own that starts from the kept states: the call the row's tail
     forward would make from the cached state. Returns (index of those tokens in the padded call,
     their outputs)."""
+    rows, take, place, pick = _after_kept_index(layout, inputs[0].shape[1], inputs[0].device)
+    out, _ = inner(*(x[rows, take] for x in inputs), *args, initial_state=state, output_final_state=False, **kwargs)
+    return place, out[pick]
+
+
+def _after_kept_index(layout, width: int, device):
+    """The gather and scatter indices of _after_kept_state on the device, built once a forward (every
+    GDN layer of it uses the same; kept in the layout's plans): row and position of each gathered
+    token [rows, span], and where the real ones sit in the padded call and in the gathered one."""
     import torch
 
-    device = inputs[0].device
-    rows = len(layout.lengths)
-    after = [n - k for k, n in zip(layout.keep, layout.lengths)]
-    span = max(after)
-    width = inputs[0].shape[1]
-    pos = torch.tensor(layout.keep)[:, None] + torch.arange(span)[None, :]  # [rows, span]
-    real = torch.arange(span)[None, :] < torch.tensor(after)[:, None]
-    take = to_device(pos.clamp(max=width - 1), device)
-    row_index = to_device(torch.arange(rows)[:, None].expand(rows, span).contiguous(), device)
-    gathered = [x[row_index, take] for x in inputs]
-    out, _ = inner(*gathered, *args, initial_state=state, output_final_state=False, **kwargs)
-    rows_real, cols_real = real.nonzero(as_tuple=True)
-    place = (to_device(rows_real, device), to_device(pos[rows_real, cols_real], device))
-    return place, out[to_device(rows_real, device), to_device(cols_real, device)]
+    key = ("after_kept", str(device), width)
+    if key not in layout.plans:
+        after = [n - k for k, n in zip(layout.keep, layout.lengths)]
+        span = max(after)
+        pos = torch.tensor(layout.keep)[:, None] + torch.arange(span)[None, :]  # [rows, span]
+        real_rows, real_cols = (torch.arange(span)[None, :] < torch.tensor(after)[:, None]).nonzero(as_tuple=True)
+        rows = torch.arange(len(layout.lengths))[:, None].expand(-1, span).contiguous()
+        real_rows_dev = to_device(real_rows, device)
+        layout.plans[key] = (to_device(rows, device), to_device(pos.clamp(max=width - 1), device),
+                             (real_rows_dev, to_device(pos[real_rows, real_cols], device)),
+                             (real_rows_dev, to_device(real_cols, device)))
+    return layout.plans[key]
 
 
 class PrefixEngine:
