@@ -284,6 +284,23 @@ def _gpu_prefix_cases(torch, heads, kv_heads, dim):
                _rows(torch, lengths, offset, heads, kv_heads, dim, torch.float16, "cuda", starts, nan_outside=True))
 
 
+def _against_whole_rows(torch, monkeypatch, mode: str):
+    """At Qwen3.5-4B's attention shape (16 query and 4 key-value heads of 256), for each GPU prefix
+    case: (row lengths, outputs with each row's whole-row call, outputs and plan with
+    OPENJEV_PREFIX_ATTENTION=mode)."""
+    from openjev.engine import attention
+
+    heads, kv_heads, dim = 16, 4, 256
+    module = attention._CheckModule(heads // kv_heads)
+    for args, (query, key, value) in _gpu_prefix_cases(torch, heads, kv_heads, dim):
+        with monkeypatch.context() as mp:
+            mp.delenv("OPENJEV_PREFIX_ATTENTION", raising=False)
+            whole, _ = _attend(torch, args, query, key, value, module, dim)
+            mp.setenv("OPENJEV_PREFIX_ATTENTION", mode)
+            other, plan = _attend(torch, args, query, key, value, module, dim)
+        yield args[0], whole, other, plan
+
+
 @pytest.mark.gpu
 def test_varlen_exact_on_a_gpu_is_bitwise_the_whole_rows_calls(monkeypatch):
     """At Qwen3.5-4B's attention shape in FP16, OPENJEV_PREFIX_ATTENTION=varlen-exact: the device check
@@ -295,21 +312,13 @@ def test_varlen_exact_on_a_gpu_is_bitwise_the_whole_rows_calls(monkeypatch):
     from openjev.engine import attention
 
     attention.rowwise_attention()
-    heads, kv_heads, dim = 16, 4, 256
-    probe = torch.empty((1, heads, 1, dim), device="cuda", dtype=torch.float16)
-    assert attention.unsplit_varlen_is_exact(probe, kv_heads, attention._INNER[0])
-    module = attention._CheckModule(heads // kv_heads)
+    probe = torch.empty((1, 16, 1, 256), device="cuda", dtype=torch.float16)
+    assert attention.unsplit_varlen_is_exact(probe, 4, attention._INNER[0])
     packed_any = False
-    for args, (query, key, value) in _gpu_prefix_cases(torch, heads, kv_heads, dim):
-        lengths = args[0]
-        with monkeypatch.context() as mp:
-            mp.delenv("OPENJEV_PREFIX_ATTENTION", raising=False)
-            whole, _ = _attend(torch, args, query, key, value, module, dim)
-            mp.setenv("OPENJEV_PREFIX_ATTENTION", "varlen-exact")
-            exact, plan = _attend(torch, args, query, key, value, module, dim)
+    for lengths, whole, exact, plan in _against_whole_rows(torch, monkeypatch, "varlen-exact"):
         packed_any = packed_any or plan.packed is not None
         for j, n in enumerate(lengths):
-            assert torch.equal(exact[j, :n], whole[j, :n]), (args, j, float((exact[j, :n] - whole[j, :n]).abs().max()))
+            assert torch.equal(exact[j, :n], whole[j, :n]), (lengths, j, float((exact[j, :n] - whole[j, :n]).abs().max()))
             assert not exact[j, n:].any()
     assert packed_any
 
@@ -325,15 +334,7 @@ def test_packed_rows_on_a_gpu_are_within_a_unit_of_the_whole_rows_calls(monkeypa
     from openjev.engine import attention
 
     attention.rowwise_attention()
-    heads, kv_heads, dim = 16, 4, 256
-    module = attention._CheckModule(heads // kv_heads)
-    for args, (query, key, value) in _gpu_prefix_cases(torch, heads, kv_heads, dim):
-        lengths = args[0]
-        with monkeypatch.context() as mp:
-            mp.delenv("OPENJEV_PREFIX_ATTENTION", raising=False)
-            whole, _ = _attend(torch, args, query, key, value, module, dim)
-            mp.setenv("OPENJEV_PREFIX_ATTENTION", "varlen")
-            packed, plan = _attend(torch, args, query, key, value, module, dim)
+    for lengths, whole, packed, plan in _against_whole_rows(torch, monkeypatch, "varlen"):
         assert plan.packed is not None
         for j, n in enumerate(lengths):
             torch.testing.assert_close(packed[j, :n], whole[j, :n], rtol=2e-3, atol=1e-3)
