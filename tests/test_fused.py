@@ -122,6 +122,25 @@ for inp in (x.transpose(1, 2), xb):
     got = wrap(inp, cw, None, activation="silu")
     assert got.shape == inp.shape and torch.equal(got.transpose(1, 2), _fused.conv_silu_blc(inp.transpose(1, 2).contiguous(), cw))
 assert len(fell_back) == 1
+# new inputs handed on apart from a prefix state of K columns (a cache layer's defer_conv_state): the
+# state kernel reads the state in place, bitwise the strided kernel on the concatenation, for short
+# inputs (every tap of the first outputs in the state) and a state of any strides
+for length in (1, 2, 3, 50):
+    xs, st = (torch.randn(3, length, 96, generator=g) * 3).half(), (torch.randn(3, 4, 96, generator=g) * 3).half()
+    st = st.transpose(1, 2)  # [B, C, K], not contiguous
+    whole = _fused.conv_silu_blc(torch.cat([st, xs.transpose(1, 2)], -1).transpose(1, 2), cw)[:, 4:]
+    assert torch.equal(_fused.conv_silu_blc(xs, cw, state=st), whole), length
+    new = xs.transpose(1, 2)  # the GDN forward passes on the very tensor the cache layer handed on
+    _fused.defer_conv_state(new, st)
+    got = wrap(new, cw, None, activation="silu")
+    assert got.shape == (3, 96, length) and torch.equal(got.transpose(1, 2), whole), length
+assert len(fell_back) == 1
+assert wrap(new, cw, None, activation="silu").shape == (3, 96, 50)  # taken once: the next call has no state
+_fused._CONV_CACHED_WEIGHTS.discard(cw.data_ptr())  # an unchecked layout: the concatenation goes to Transformers'
+_fused.defer_conv_state(new, st)
+got = wrap(new, cw, None, activation="silu")
+assert fell_back[-1] == (3, 96, 4 + 50) and got.shape == (3, 96, 54), fell_back
+assert torch.equal(got[:, :, 4:], torch.cat([st, xs.transpose(1, 2)], -1)[:, :, 4:])
 # mean_square: PyTorch's CUDA summation order, written out in numpy float32 (lane t, accumulators
 # a_i over j of elements 4t+i+128j; ((a0+a1)+a2)+a3; lane t+16 added to lane t, then t+8, ..., t+1;
 # times float32(1/N))

@@ -214,6 +214,57 @@ def test_prefix_path_under_a_small_budget_and_rows_ending_in_the_pad_id(clf):
     assert s["evicted"] > 0 and s["bytes"] <= 300_000
 
 
+HANDED_ON = r"""
+import sys, numpy as np, torch
+sys.path.insert(0, sys.argv[2])
+from test_prefix_reuse import _rows
+from openjev.engine import fused, prefix
+from openjev.engine.classifier import load_classifier
+from openjev.engine.prefix import PrefixEngine
+clf = load_classifier(sys.argv[1], device="cpu", dtype=sys.argv[3])
+gdn = next(m for m in clf.model.modules() if type(m).__name__.endswith("GatedDeltaNet"))
+modeling = sys.modules[type(gdn).__module__]
+fused._install(clf.model, modeling, {"conv_silu"}, cached_conv=sys.argv[3] == "float16")
+calls = []
+kernel = fused.conv_silu_blc
+fused.conv_silu_blc = lambda x, w, state=None: calls.append(state is not None) or kernel(x, w, state=state)
+rows = _rows(clf.vocab_size)
+
+def run():
+    engine = PrefixEngine(clf, 64 << 20, min_tokens=16)
+    cold = engine.run_step(rows, max_rows=8).logits
+    return cold, engine.run_step(rows, max_rows=8).logits, list(engine.cache.entries.values())
+
+handed = run()
+handed_calls = list(calls)
+prefix._conv_state_handed_on = lambda layer: layer.update_conv_state  # the cache concatenates, as Transformers'
+calls.clear()
+concatenated = run()
+assert np.array_equal(handed[0], concatenated[0]) and np.array_equal(handed[1], concatenated[1])
+assert len(handed[2]) == len(concatenated[2]) > 0
+for a, b in zip(handed[2], concatenated[2]):
+    assert a.length == b.length and all(torch.equal(getattr(a, k), getattr(b, k)) for k in ("conv", "recurrent", "keys", "values"))
+print(sum(handed_calls), sum(calls), len(calls))
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_conv_inputs_handed_on_apart_from_the_prefix_state_keep_every_bit(tiny_model, dtype):
+    """With the fused conv installed, a forward from prefix states does not concatenate each GDN layer's
+    new conv inputs to the start state: the state kernel reads it in place (FP16, under Triton's
+    interpreter) or the wrapper concatenates for Transformers' conv (float32, a layout the kernel was
+    not checked on). Logits and the states kept are bitwise those of the concatenating cache."""
+    from conftest import run_py
+
+    proc = run_py(HANDED_ON, {"TRITON_INTERPRET": "1"}, timeout=600, args=(tiny_model["checkpoint"], REPO / "tests", dtype))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with_state, concatenated, fused_calls = map(int, proc.stdout.split()[-3:])
+    if dtype == "float16":  # every forward from a state: the state kernel; without: none
+        assert with_state > 0 and concatenated == 0 and fused_calls > 0
+    else:
+        assert with_state == concatenated == fused_calls == 0
+
+
 def test_server_with_prefix_reuse(overlay, tmp_path):
     from openjev.engine.classifier import load_classifier, score_exact
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 
 from openjev.common import UserError
@@ -181,6 +182,34 @@ if triton is not None:
         out = (b * length + t[:, None].to(tl.int64)) * channels + c[None, :]
         tl.store(Y + out, _silu_f32(y).to(Y.dtype.element_ty), mask=tm[:, None] & cm[None, :])
 
+    @triton.jit
+    def _conv_silu_state_kernel(X, S, W, Y, length, channels, state_len, sxb, sxt, sxc, ssb, ssc, sst,
+                                K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+        # _conv_silu_strided_kernel's arithmetic on the prefix state S [batch, channels, state_len] followed
+        # by the new inputs X [batch, length, channels] (any strides), without concatenating them:
+        # a tap before the first new input reads the state's last columns; Y [batch, length, channels]
+        tiles = tl.cdiv(length, BLOCK_T)
+        b = (tl.program_id(0) // tiles).to(tl.int64)
+        t = (tl.program_id(0) % tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        tm, cm = t < length, c < channels
+        cc = c[None, :].to(tl.int64)
+        acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        for k in tl.static_range(K):
+            src = t - (K - 1 - k)
+            from_x = (tm & (src >= 0))[:, None] & cm[None, :]
+            from_s = (tm & (src < 0))[:, None] & cm[None, :]
+            xs = tl.load(X + b * sxb + tl.maximum(src, 0)[:, None].to(tl.int64) * sxt + cc * sxc,
+                         mask=from_x, other=0.0)
+            ss = tl.load(S + b * ssb + cc * ssc + (state_len + tl.minimum(src, -1))[:, None].to(tl.int64) * sst,
+                         mask=from_s, other=0.0)
+            x = tl.where(from_s, ss, xs).to(tl.float32)
+            w = tl.load(W + c * K + k, mask=cm, other=0.0).to(tl.float32)
+            acc = tl.fma(w[None, :], x, acc)
+        y = acc.to(Y.dtype.element_ty).to(tl.float32)
+        out = (b * length + t[:, None].to(tl.int64)) * channels + c[None, :]
+        tl.store(Y + out, _silu_f32(y).to(Y.dtype.element_ty), mask=tm[:, None] & cm[None, :])
+
 
 def _grid(n: int):
     return (triton.cdiv(n, BLOCK),)
@@ -241,12 +270,20 @@ def swiglu(g, u):
     return y
 
 
-def conv_silu_blc(x, w):
-    """x [B, L, C] (any strides), w [C, K] -> silu(causal depthwise conv) as [B, L, C] contiguous."""
+def conv_silu_blc(x, w, state=None):
+    """x [B, L, C] (any strides), w [C, K] -> silu(causal depthwise conv) as [B, L, C] contiguous. With
+    `state` [B, C, S] (S >= K - 1, any strides), the inputs before x's first are the state's last
+    columns: the conv of the concatenation [state, x], its first S outputs left out."""
     import torch
 
     b, length, channels = x.shape
     y = torch.empty((b, length, channels), dtype=x.dtype, device=x.device)
+    if state is not None:
+        block_t, block_c = 32, 64
+        _conv_silu_state_kernel[(b * triton.cdiv(length, block_t), triton.cdiv(channels, block_c))](
+            x, state, w.contiguous(), y, length, channels, state.shape[-1], *x.stride(), *state.stride(),
+            K=w.shape[-1], BLOCK_T=block_t, BLOCK_C=block_c)
+        return y
     if x.is_contiguous():
         block_c = 256
         _conv_silu_kernel[(b * length, triton.cdiv(channels, block_c))](
@@ -313,6 +350,21 @@ def swiglu_forward(m, x):
 
 _CONV_WEIGHTS: set[int] = set()  # data_ptr of the conv weights whose module passed its check
 _CONV_CACHED_WEIGHTS: set[int] = set()  # ... and also its check on the cached [B, C, L] layout
+_DEFERRED = threading.local()  # the (new inputs, prefix state) a cache layer handed to the next conv call
+
+
+def defer_conv_state(x, state) -> None:
+    """Hand the conv call that comes next with input `x` [B, C, L] the prefix state [B, C, S] that a
+    cache would have concatenated in front of it (see make_conv_wrapper)."""
+    _DEFERRED.pair = (x, state)
+
+
+def _take_deferred(x):
+    pair = getattr(_DEFERRED, "pair", None)
+    if pair is None or pair[0] is not x:
+        return None
+    _DEFERRED.pair = None
+    return pair[1]
 
 
 def make_conv_wrapper(original):
@@ -321,9 +373,21 @@ def make_conv_wrapper(original):
     GDN forward passes it without a cache) or a contiguous [B, C, L] tensor (the cached inputs and
     the new ones concatenated, as a forward from a prefix state passes it), each layout where its
     check passed; Transformers' function otherwise. Returns [B, C, L] as a transposed view of a
-    contiguous [B, L, C] tensor, so the GDN forward's transpose back is contiguous."""
+    contiguous [B, L, C] tensor, so the GDN forward's transpose back is contiguous. An input that a
+    cache layer handed on with its prefix state (defer_conv_state) is not concatenated where the
+    cached layout passed its check: the state kernel reads the state in place and the output is
+    the new inputs' alone (the GDN forward keeps the last L outputs either way)."""
 
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+        state = _take_deferred(hidden_states)
+        if state is not None:
+            if (weight.data_ptr() in _CONV_CACHED_WEIGHTS and bias is None and activation == "silu"
+                    and hidden_states.dim() == 3 and _lowp(hidden_states, contiguous=False)
+                    and weight.dtype == hidden_states.dtype == state.dtype):
+                return conv_silu_blc(hidden_states.transpose(1, 2), weight, state=state).transpose(1, 2)
+            import torch
+
+            hidden_states = torch.cat([state, hidden_states], dim=-1)
         blc = hidden_states.transpose(1, 2)
         checked = _CONV_WEIGHTS if blc.is_contiguous() else _CONV_CACHED_WEIGHTS
         if (weight.data_ptr() in checked and bias is None and activation == "silu"
@@ -432,6 +496,9 @@ def _check_piece(piece: str, model, modeling, device, dtype) -> dict:
         # cached inputs concatenated with it ([B, C, K - 1 + L] contiguous), each layout checked apart
         ins = [(rnd(b, t, w.shape[0], scale=2.0).transpose(1, 2),) for b, t in CHECK_SHAPES]
         cached_ins = [(rnd(b, w.shape[0], w.shape[1] - 1 + t, scale=2.0),) for b, t in CHECK_SHAPES]
+        # and the new inputs apart from a prefix state of K columns, as a cache layer hands them on
+        state_ins = [(rnd(b, w.shape[0], w.shape[1], scale=2.0), rnd(b, t, w.shape[0], scale=2.0).transpose(1, 2))
+                     for b, t in CHECK_SHAPES]
         wrapper = make_conv_wrapper(original)
         _CONV_WEIGHTS.add(w.data_ptr())
         _CONV_CACHED_WEIGHTS.add(w.data_ptr())
@@ -442,12 +509,21 @@ def _check_piece(piece: str, model, modeling, device, dtype) -> dict:
         def got(x):
             return wrapper(x, w, None, activation="silu")
 
+        def want_after_state(state, x):
+            return want(torch.cat([state, x], dim=-1))[..., -x.shape[-1]:]
+
+        def got_after_state(state, x):
+            defer_conv_state(x, state)
+            return got(x)
+
         try:
             same, worst = _equal_on(want, got, ins)
             cached_same, cached_worst = _equal_on(want, got, cached_ins)
+            state_same, state_worst = _equal_on(want_after_state, got_after_state, state_ins)
         finally:
             _CONV_WEIGHTS.discard(w.data_ptr())
             _CONV_CACHED_WEIGHTS.discard(w.data_ptr())
+        cached_same, cached_worst = cached_same and state_same, max(cached_worst, state_worst)
         cached = {"used": same and cached_same, "bitwise_on_check": cached_same}
         if not cached_same:
             cached["max_abs_diff"] = cached_worst

@@ -219,6 +219,8 @@ class ContinuationForwards:
         self.kv_heads = text.num_key_value_heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         install_per_row_gdn(clf.model)
+        gdn = next((m for m in clf.model.modules() if type(m).__name__.endswith("GatedDeltaNet")), None)
+        self.modeling = sys.modules.get(type(gdn).__module__) if gdn is not None else None
 
     def run(self, items: list, want_states: bool, keep: list | None = None):
         """items: (start PrefixState or None, tokens to run, the whole row's length). Returns (logits
@@ -275,8 +277,11 @@ class ContinuationForwards:
                                dtype=known.recurrent.dtype if known else torch.float32, device=dev)
         conv_all = torch.stack([s.conv if s is not None else conv_zero for s in starts], 1)  # [layers, rows, ...]
         rec_all = torch.stack([s.recurrent if s is not None else rec_zero for s in starts], 1)
+        defer = getattr(getattr(self.modeling, "causal_conv1d_fn", None), "_openjev_fused", False)
         for k, li in enumerate(self.linear):
             layer = cache.layers[li]
+            if defer:
+                layer.update_conv_state = _conv_state_handed_on(layer)
             layer.conv_states[0], layer.recurrent_states[0] = conv_all[k], rec_all[k]
             layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = True
             layer.has_previous_state[0] = True
@@ -304,8 +309,15 @@ class ContinuationForwards:
         ends = to_device(ends, self.clf.device)
         convs = []
         for li in self.linear:
-            recorded = cache.layers[li].conv_states[0]  # [rows, conv_dim, kernel + width]
-            convs.append(recorded.gather(2, ends[:, None, :].expand(-1, recorded.shape[1], -1)))
+            layer = cache.layers[li]
+            recorded = layer.conv_states[0]  # [rows, conv_dim, kernel + width], or the start state alone
+            new = layer.__dict__.get("openjev_new_inputs")  # ... and the new inputs apart
+            if new is None:
+                convs.append(recorded.gather(2, ends[:, None, :].expand(-1, recorded.shape[1], -1)))
+                continue
+            s = recorded.shape[-1]
+            at = ends[:, None, :].expand(-1, recorded.shape[1], -1)
+            convs.append(torch.where(at < s, recorded.gather(2, at.clamp(max=s - 1)), new.gather(2, (at - s).clamp(min=0))))
         conv_all = torch.stack(convs, 1)  # [rows, layers, conv_dim, kernel]
         rec_all = torch.stack([cache.layers[li].recurrent_states[0] for li in self.linear], 1)
         states: list = [None] * len(starts)
@@ -316,6 +328,20 @@ class ContinuationForwards:
             values = torch.stack([cache.layers[li].values[b, :, span] for li in self.attention])
             states[b] = PrefixState(start + n, conv_all[b].clone(), rec_all[b].clone(), keys, values)
         return states
+
+
+def _conv_state_handed_on(layer):
+    """A cache layer's update_conv_state that does not concatenate the new conv inputs to the start
+    state: it hands both to the model's conv call (openjev.engine.fused.defer_conv_state, where the
+    fused conv is installed) and keeps the new inputs for _states."""
+    from openjev.engine.fused import defer_conv_state
+
+    def update_conv_state(conv_states, state_idx: int = 0, conv_kernel_size=None, **kwargs):
+        defer_conv_state(conv_states, layer.conv_states[state_idx])
+        layer.openjev_new_inputs = conv_states
+        return conv_states
+
+    return update_conv_state
 
 
 def attention_classes(device, heads: int, head_dim: int):
