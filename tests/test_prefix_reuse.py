@@ -229,6 +229,9 @@ calls = []
 kernel = fused.conv_silu_blc
 fused.conv_silu_blc = lambda x, w, state=None: calls.append(state is not None) or kernel(x, w, state=state)
 rows = _rows(clf.vocab_size)
+in_place = []
+write = prefix._keys_written_in_place
+prefix._keys_written_in_place = lambda *a: in_place.append(1) or write(*a)
 
 def run():
     engine = PrefixEngine(clf, 64 << 20, min_tokens=16)
@@ -237,7 +240,9 @@ def run():
 
 handed = run()
 handed_calls = list(calls)
+assert in_place
 prefix._conv_state_handed_on = lambda layer: layer.update_conv_state  # the cache concatenates, as Transformers'
+prefix._keys_written_in_place = lambda layer, keys, values: layer.update
 calls.clear()
 concatenated = run()
 assert np.array_equal(handed[0], concatenated[0]) and np.array_equal(handed[1], concatenated[1])
@@ -249,11 +254,13 @@ print(sum(handed_calls), sum(calls), len(calls))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_conv_inputs_handed_on_apart_from_the_prefix_state_keep_every_bit(tiny_model, dtype):
-    """With the fused conv installed, a forward from prefix states does not concatenate each GDN layer's
-    new conv inputs to the start state: the state kernel reads it in place (FP16, under Triton's
-    interpreter) or the wrapper concatenates for Transformers' conv (float32, a layout the kernel was
-    not checked on). Logits and the states kept are bitwise those of the concatenating cache."""
+def test_a_cache_that_does_not_concatenate_keeps_every_bit(tiny_model, dtype):
+    """A forward from prefix states concatenates neither each attention layer's new keys and values to
+    the cached ones (they are written into room left after them) nor, with the fused conv installed,
+    each GDN layer's new conv inputs to the start state: the state kernel reads it in place (FP16,
+    under Triton's interpreter) or the wrapper concatenates for Transformers' conv (float32, a layout
+    the kernel was not checked on). Logits and the states kept are bitwise those of Transformers'
+    concatenating cache."""
     from conftest import run_py
 
     proc = run_py(HANDED_ON, {"TRITON_INTERPRET": "1"}, timeout=600, args=(tiny_model["checkpoint"], REPO / "tests", dtype))

@@ -244,7 +244,7 @@ class ContinuationForwards:
             mask[b, offset - start: offset + len(tokens)] = 1
             pos[b] = torch.arange(start, start + width)
         with torch.profiler.record_function("openjev.prefix.cache_build"):
-            cache = self._cache([s for s, _, _ in items], offset, want_states)
+            cache = self._cache([s for s, _, _ in items], offset, want_states, width)
         valid = None
         if want_states:
             valid = torch.arange(width)[None, :] < torch.tensor(kept)[:, None]
@@ -261,10 +261,11 @@ class ContinuationForwards:
                     states = self._states(cache, starts, kept, offset, wanted)
         return out.logits, states
 
-    def _cache(self, starts: list, offset: int, record: bool):
+    def _cache(self, starts: list, offset: int, record: bool, width: int):
         """A DynamicCache holding the rows' start states: GDN conv and recurrent states stacked by row,
         attention keys and values left-padded with zeros to `offset` (a few large copies, not one a
-        row and layer)."""
+        row and layer) in buffers with room for the forward's `width` new ones, which each layer
+        writes there instead of concatenating."""
         from transformers import DynamicCache
 
         torch = self.torch
@@ -288,17 +289,19 @@ class ContinuationForwards:
             layer.conv_kernel_size[0] = self.kernel
             layer.device, layer.dtype = conv_all.device, conv_all.dtype
             layer.record_past = record  # keep every conv input, so each row's own last inputs can be cut out
-        if offset:
-            shape = (len(self.attention), len(starts), self.kv_heads, offset, self.head_dim)
-            k_all, v_all = torch.zeros(shape, dtype=dtype, device=dev), torch.zeros(shape, dtype=dtype, device=dev)
-            for b, s in enumerate(starts):
-                if s is not None:
-                    k_all[:, b, :, offset - s.length:].copy_(s.keys)
-                    v_all[:, b, :, offset - s.length:].copy_(s.values)
-            for k, li in enumerate(self.attention):
-                layer = cache.layers[li]
-                layer.lazy_initialization(k_all[k], v_all[k])
-                layer.keys, layer.values = k_all[k], v_all[k]
+        shape = (len(self.attention), len(starts), self.kv_heads, offset + width, self.head_dim)
+        k_all, v_all = torch.empty(shape, dtype=dtype, device=dev), torch.empty(shape, dtype=dtype, device=dev)
+        k_all[..., :offset, :].zero_()
+        v_all[..., :offset, :].zero_()
+        for b, s in enumerate(starts):
+            if s is not None:
+                k_all[:, b, :, offset - s.length:offset].copy_(s.keys)
+                v_all[:, b, :, offset - s.length:offset].copy_(s.values)
+        for k, li in enumerate(self.attention):
+            layer = cache.layers[li]
+            layer.lazy_initialization(k_all[k], v_all[k])
+            layer.keys, layer.values = k_all[k, ..., :offset, :], v_all[k, ..., :offset, :]
+            layer.update = _keys_written_in_place(layer, k_all[k], v_all[k])
         return cache
 
     def _states(self, cache, starts, lengths, offset, wanted: list[int]) -> list:
@@ -342,6 +345,26 @@ def _conv_state_handed_on(layer):
         return conv_states
 
     return update_conv_state
+
+
+def _keys_written_in_place(layer, keys, values):
+    """A cache layer's update that writes the new keys and values after the cached ones in the
+    buffers `keys` and `values` [rows, heads, room, dim] (the layer's own are views of their start)
+    and returns the views that end with them: DynamicLayer.update's result without its concatenation.
+    New keys beyond the room go to DynamicLayer.update."""
+    update = layer.update
+
+    def update_in_place(key_states, value_states, *args, **kwargs):
+        start = layer.keys.shape[-2]
+        end = start + key_states.shape[-2]
+        if end > keys.shape[-2]:
+            return update(key_states, value_states, *args, **kwargs)
+        keys[..., start:end, :].copy_(key_states)
+        values[..., start:end, :].copy_(value_states)
+        layer.keys, layer.values = keys[..., :end, :], values[..., :end, :]
+        return layer.keys, layer.values
+
+    return update_in_place
 
 
 def attention_classes(device, heads: int, head_dim: int):
