@@ -55,9 +55,9 @@
 # OPENJEV_PADDED_ATTENTION=shared, which the servers read from the environment), EMBEDDED_ARGS (more
 # serve_transformers.py flags for both embedded stages, e.g. --log-level debug: one line a step),
 # SGLANG_ARGS (more serve_sglang_v100.sh flags), STAGE_TIMEOUT (seconds a stage, default 560),
-# REPETITIONS (3), BASELINE, PREFIX_PASSES. For the embedded stages alone .carry/wheels may leave out the sglang,
-# pycountry and mistral_common wheels (with them the set and the tree passed the GPU tool's 64 MiB limit); setup
-# then installs the rest and skips the stand-ins' test. Stand-ins: sgl-kernel's compiled ops are not carried (a 356 MiB wheel); its
+# REPETITIONS (3), BASELINE, PREFIX_PASSES. .carry/wheels with the tree is about 52 MiB of the GPU tool's 64
+# (sglang_gpu_wheels.py repacks sglang, sglang-kernel, pycountry and mistral-common); for the embedded stages alone
+# it may leave out the sglang wheel, and setup then installs the rest and skips the stand-ins' test. Stand-ins: sgl-kernel's compiled ops are not carried (a 356 MiB wheel); its
 # Python package falls back to `import common_ops`, which tests/openjev_testsupport/sgl_kernel_cuda_standin/shim
 # provides (pure-PyTorch norms and silu_and_mul, checked against FlashInfer's kernels).
 set -uo pipefail

@@ -53,6 +53,16 @@ REPACK = {
         "why": "diffusion server, tests, benchmarks and the Rust bench/gRPC/multimodal/server front ends: "
                "not on the classifier path (--is-embedding, triton attention)",
     },
+    "pycountry": {
+        "drop": ["pycountry/locales/"],
+        "why": "the country and language names' translations (gettext catalogues): SGLang imports pycountry "
+               "through mistral-common and never asks for a translated name",
+    },
+    "mistral-common": {
+        "drop": ["mistral_common/data/"],
+        "why": "Mistral models' tokenizer files: the classifier path imports mistral-common's protocol classes, "
+               "never a Mistral tokenizer",
+    },
     "sglang-kernel": {
         "keep_only": "*.py",
         "why": "its CUDA libraries: the classifier path (triton attention, Triton GDN, tvm-ffi JIT kernels) "

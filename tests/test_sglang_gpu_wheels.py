@@ -258,4 +258,4 @@ def test_pinned_list_matches_the_sglang_freeze():
     assert len(pins) == 41 and {"sglang", "sglang-kernel", "fla-core", "flash-linear-attention"} <= set(pins)
     assert {n: v for n, v in pins.items() if frozen.get(n) != v} == {}
     assert not set(pins) & g.NEVER
-    assert set(g.REPACK) == {"sglang", "sglang-kernel"}
+    assert set(g.REPACK) == {"sglang", "sglang-kernel", "pycountry", "mistral-common"}
