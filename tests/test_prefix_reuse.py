@@ -238,10 +238,20 @@ def run():
     cold = engine.run_step(rows, max_rows=8).logits
     return cold, engine.run_step(rows, max_rows=8).logits, list(engine.cache.entries.values())
 
+import gc, weakref
+made = []
+build = prefix.ContinuationForwards._cache
+prefix.ContinuationForwards._cache = lambda self, *a: (lambda c: made.extend(
+    [weakref.ref(c)] + [weakref.ref(layer) for layer in c.layers]) or c)(build(self, *a))
+gc.collect()
+gc.disable()
 handed = run()
+assert made and not any(r() is not None for r in made), "a forward's cache outlived it"
+gc.enable()
+prefix.ContinuationForwards._cache = build
 handed_calls = list(calls)
 assert in_place
-prefix._conv_state_handed_on = lambda layer: layer.update_conv_state  # the cache concatenates, as Transformers'
+prefix._conv_state_handed_on = lambda layer, record: layer.update_conv_state  # the cache concatenates, as Transformers'
 prefix._keys_written_in_place = lambda layer, keys, values: layer.update
 calls.clear()
 concatenated = run()
@@ -270,6 +280,40 @@ def test_a_cache_that_does_not_concatenate_keeps_every_bit(tiny_model, dtype):
         assert with_state > 0 and concatenated == 0 and fused_calls > 0
     else:
         assert with_state == concatenated == fused_calls == 0
+
+
+def test_a_forwards_cache_is_freed_when_it_returns(clf, monkeypatch):
+    """The cache object of a forward from prefix states (its keys, values, conv inputs and states:
+    gigabytes at the 4B shape) is freed by reference counting when the forward returns, not left to
+    the cyclic garbage collector, which large tensors do not prompt (on the H100 two warm passes ran
+    out of memory when the cache layers' replaced methods referred back to their layers)."""
+    import gc
+    import weakref
+
+    from openjev.engine import prefix
+    from openjev.engine.prefix import PrefixEngine
+
+    made = []
+    build = prefix.ContinuationForwards._cache
+
+    def cache(self, *args):
+        c = build(self, *args)
+        made.append(weakref.ref(c))
+        made.extend(weakref.ref(layer) for layer in c.layers)
+        return c
+
+    monkeypatch.setattr(prefix.ContinuationForwards, "_cache", cache)
+    rows = _rows(clf.vocab_size)
+    engine = PrefixEngine(clf, 64 << 20, min_tokens=16)
+    gc.collect()
+    gc.disable()
+    try:
+        engine.run_step(rows, max_rows=8)
+        engine.run_step(rows, max_rows=8)
+        alive = sum(r() is not None for r in made)
+    finally:
+        gc.enable()
+    assert made and alive == 0, f"{alive} of {len(made)} caches and cache layers outlived their forward"
 
 
 def test_server_with_prefix_reuse(overlay, tmp_path):

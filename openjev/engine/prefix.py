@@ -28,6 +28,7 @@ import hashlib
 import logging
 import sys
 import threading
+import weakref
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
@@ -282,7 +283,7 @@ class ContinuationForwards:
         for k, li in enumerate(self.linear):
             layer = cache.layers[li]
             if defer:
-                layer.update_conv_state = _conv_state_handed_on(layer)
+                layer.update_conv_state = _conv_state_handed_on(layer, record)
             layer.conv_states[0], layer.recurrent_states[0] = conv_all[k], rec_all[k]
             layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = True
             layer.has_previous_state[0] = True
@@ -333,15 +334,19 @@ class ContinuationForwards:
         return states
 
 
-def _conv_state_handed_on(layer):
+def _conv_state_handed_on(layer, record: bool):
     """A cache layer's update_conv_state that does not concatenate the new conv inputs to the start
     state: it hands both to the model's conv call (openjev.engine.fused.defer_conv_state, where the
-    fused conv is installed) and keeps the new inputs for _states."""
+    fused conv is installed) and, with `record`, keeps the new inputs for _states."""
     from openjev.engine.fused import defer_conv_state
 
+    ref = weakref.ref(layer)  # the layer holds this function: a strong reference would keep both alive
+
     def update_conv_state(conv_states, state_idx: int = 0, conv_kernel_size=None, **kwargs):
-        defer_conv_state(conv_states, layer.conv_states[state_idx])
-        layer.openjev_new_inputs = conv_states
+        owner = ref()
+        defer_conv_state(conv_states, owner.conv_states[state_idx])
+        if record:
+            owner.openjev_new_inputs = conv_states
         return conv_states
 
     return update_conv_state
@@ -352,17 +357,18 @@ def _keys_written_in_place(layer, keys, values):
     buffers `keys` and `values` [rows, heads, room, dim] (the layer's own are views of their start)
     and returns the views that end with them: DynamicLayer.update's result without its concatenation.
     New keys beyond the room go to DynamicLayer.update."""
-    update = layer.update
+    ref = weakref.ref(layer)  # the layer holds this function: a strong reference would keep both alive
 
     def update_in_place(key_states, value_states, *args, **kwargs):
-        start = layer.keys.shape[-2]
+        owner = ref()
+        start = owner.keys.shape[-2]
         end = start + key_states.shape[-2]
         if end > keys.shape[-2]:
-            return update(key_states, value_states, *args, **kwargs)
+            return type(owner).update(owner, key_states, value_states, *args, **kwargs)
         keys[..., start:end, :].copy_(key_states)
         values[..., start:end, :].copy_(value_states)
-        layer.keys, layer.values = keys[..., :end, :], values[..., :end, :]
-        return layer.keys, layer.values
+        owner.keys, owner.values = keys[..., :end, :], values[..., :end, :]
+        return owner.keys, owner.values
 
     return update_in_place
 
