@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: 16384, env OPENJEV_STEP_TOKEN_BUDGET)")
     p.add_argument("--batch-wait-ms", type=float, default=float(_env_int("OPENJEV_BATCH_WAIT_MS", 0)),
                    help="when a request finds the server idle, wait up to this long for others sent with it, so they "
-                        "share the first step (stops early once the step budget is full); each such request waits "
+                        "share the first step (stops early once the step budget is full, counted as the step counts it: with "
+                        "--prefix-reuse the tokens after each row's cached prefix); each such request waits "
                         "that much longer (default: 0, off; env OPENJEV_BATCH_WAIT_MS)")
     p.add_argument("--max-body-bytes", type=int, default=_env_int("OPENJEV_MAX_BODY_BYTES", contract.DEFAULT_MAX_BODY_BYTES),
                    help="a larger request body gets 413 before it is parsed (default: 32 MiB, env OPENJEV_MAX_BODY_BYTES)")

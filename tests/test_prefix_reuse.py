@@ -354,6 +354,46 @@ def test_server_with_prefix_reuse(overlay, tmp_path):
         srv.stop()
 
 
+def test_a_batch_wait_counts_the_tokens_a_warm_step_computes(overlay, tmp_path):
+    """--batch-wait-ms with --prefix-reuse: a warm request whose rows' tokens exceed the step budget, but
+    whose tails (what the step computes) do not, still waits for the requests sent with it, so a warm
+    pass of four requests sent together runs in one step (on the H100 it ran in two: the wait stopped
+    at the first request's raw tokens)."""
+    import threading
+    import time
+
+    from openjev.engine.classifier import load_classifier
+
+    clf = load_classifier(overlay, "cpu", "float32")
+    rows = _rows(clf.vocab_size, seed=10)
+    requests_rows = [rows[k::4] for k in range(4)]
+    budget = 640
+    assert all(sum(map(len, r)) > budget for r in requests_rows) and tails(rows) <= budget
+    srv = start_server(overlay, tmp_path / "log", "--prefix-reuse", "--prefix-cache-mb", "16", "--prefix-min-tokens",
+                       "16", "--step-token-budget", str(budget), "--batch-wait-ms", "3000")
+    try:
+        def steps():
+            return requests.get(srv.url + "/server_info", timeout=10).json()["counters"]["steps"]
+
+        def send_together():
+            status = []
+            threads = [threading.Thread(target=lambda r=r: status.append(requests.post(
+                srv.url + "/classify", json={"input_ids": r}, timeout=120).status_code)) for r in requests_rows]
+            for t in threads:
+                t.start()
+                time.sleep(0.05)
+            for t in threads:
+                t.join()
+            assert status == [200] * 4
+
+        send_together()  # cold: the states are cached
+        before = steps()
+        send_together()
+        assert steps() - before == 1, f"a warm pass of four requests sent together ran in {steps() - before} steps"
+    finally:
+        srv.stop()
+
+
 @pytest.mark.parametrize("mode,message", [
     ("bogus", "OPENJEV_PREFIX_ATTENTION='bogus': expected whole-row, varlen, varlen-tails or varlen-exact"),
     ("varlen", "OPENJEV_PREFIX_ATTENTION=varlen needs a CUDA device (FlashAttention's varlen call); this model runs "

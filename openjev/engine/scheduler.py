@@ -231,8 +231,7 @@ class Engine:
                     self._gather_arrivals()
                 if self._stopping:
                     return
-                picked = plan_step(self._pending, self.args.step_token_budget,
-                                   self.prefix.step_tokens if self.prefix is not None else len)
+                picked = plan_step(self._pending, self.args.step_token_budget, self._row_cost)
                 self.step_running_since = time.monotonic()
             if picked:
                 self._run_step(picked)
@@ -241,14 +240,23 @@ class Engine:
                 self.last_progress = time.monotonic()
                 self._pending = [j for j in self._pending if not j.cancelled and j.done_rows < len(j.rows)]
 
+    def _row_cost(self, row) -> int:
+        """The tokens a step computes for `row`: with prefix reuse those after its longest cached prefix."""
+        return self.prefix.step_tokens(row) if self.prefix is not None else len(row)
+
     def _gather_arrivals(self) -> None:
         """Woken from idle (lock held): wait up to --batch-wait-ms for requests sent together to arrive,
         so that they share the first step instead of the first one running alone; stop waiting as soon
-        as the queued rows fill the step budget."""
-        deadline = time.monotonic() + getattr(self.args, "batch_wait_ms", 0) / 1000
-        while not self._stopping:
+        as the queued rows fill the step budget, counted as the step counts them (_row_cost)."""
+        wait = getattr(self.args, "batch_wait_ms", 0) / 1000
+        deadline = time.monotonic() + wait
+        costs: dict[int, int] = {}  # id of a queued job -> the cost of its rows, counted once
+        while not self._stopping and wait > 0:
             left = deadline - time.monotonic()
-            if left <= 0 or sum(len(r) for j in self._pending for r in j.rows[j.cursor:]) >= self.args.step_token_budget:
+            for j in self._pending:
+                if id(j) not in costs:
+                    costs[id(j)] = sum(self._row_cost(r) for r in j.rows[j.cursor:])
+            if left <= 0 or sum(costs[id(j)] for j in self._pending) >= self.args.step_token_budget:
                 return
             self._cv.wait(left)
 
