@@ -420,6 +420,13 @@ def _first(model, suffix: str):
     return next(_text_modules(model, suffix), None)
 
 
+def gdn_modeling(model):
+    """The Transformers modeling module whose module-level kernels (torch_chunk_gated_delta_rule,
+    causal_conv1d_fn) the model's Gated DeltaNet layers call; None without such layers."""
+    gdn = _first(model, "GatedDeltaNet")
+    return sys.modules.get(type(gdn).__module__) if gdn is not None else None
+
+
 def _is_silu(act) -> bool:
     """nn.SiLU or Transformers' SiLUActivation (both call F.silu)."""
     import torch.nn as nn
@@ -558,8 +565,7 @@ def apply_fused(model, device: str, mode: str | None = None) -> dict:
         record["reason"] = f"Triton not importable ({_TRITON_ERROR})"
         log.warning("fused kernels: none (%s)", record["reason"])
         return _remember(model, record)
-    gdn = _first(model, "GatedDeltaNet")
-    modeling = sys.modules.get(type(gdn).__module__) if gdn is not None else None
+    modeling = gdn_modeling(model)
     dtype = next(model.parameters()).dtype
     if dtype not in (torch.float16, torch.bfloat16):
         record["reason"] = f"model dtype {dtype}: the pieces round to FP16/BF16 as the half-precision forward does"

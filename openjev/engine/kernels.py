@@ -459,10 +459,11 @@ def kernel_path(model) -> dict:
     """What the loaded model's forward runs: GDN chunk kernel, causal conv, attention, versions."""
     import torch
 
+    from openjev.engine.fused import fused_record, gdn_modeling
+
     info: dict = {"gdn": None, "gdn_chunk_kernel": None, "causal_conv1d": None}
-    gdn = next((m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")), None)
-    if gdn is not None:
-        modeling = sys.modules.get(type(gdn).__module__)
+    modeling = gdn_modeling(model)
+    if modeling is not None:
         chunk = _bound(getattr(modeling, "torch_chunk_gated_delta_rule", None))
         conv = _bound(getattr(modeling, "causal_conv1d_fn", None))
         info["gdn_chunk_kernel"], info["causal_conv1d"] = _describe(chunk), _describe(conv)
@@ -480,8 +481,6 @@ def kernel_path(model) -> dict:
     info["padded_attention"] = padded_attention_mode()
     info["prefix_attention"] = prefix_attention_mode()
     info["sdp_backends"] = sdp_backends()
-    from openjev.engine.fused import fused_record
-
     info["fused"] = fused_record(model)
     info["compiled_modules"] = sorted({type(m).__name__ for m in model.modules() if getattr(m, "_openjev_compiled", False)})
     for mod, key in (("fla", "fla_version"), ("triton", "triton_version"), ("causal_conv1d", "causal_conv1d_version")):

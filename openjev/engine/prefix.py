@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import sys
 import threading
 import weakref
 from collections import Counter, OrderedDict
@@ -220,8 +219,9 @@ class ContinuationForwards:
         self.kv_heads = text.num_key_value_heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         install_per_row_gdn(clf.model)
-        gdn = next((m for m in clf.model.modules() if type(m).__name__.endswith("GatedDeltaNet")), None)
-        self.modeling = sys.modules.get(type(gdn).__module__) if gdn is not None else None
+        from openjev.engine.fused import gdn_modeling
+
+        self.modeling = gdn_modeling(clf.model)
 
     def run(self, items: list, want_states: bool, keep: list | None = None):
         """items: (start PrefixState or None, tokens to run, the whole row's length). Returns (logits
@@ -316,11 +316,11 @@ class ContinuationForwards:
             layer = cache.layers[li]
             recorded = layer.conv_states[0]  # [rows, conv_dim, kernel + width], or the start state alone
             new = layer.__dict__.get("openjev_new_inputs")  # ... and the new inputs apart
+            at = ends[:, None, :].expand(-1, recorded.shape[1], -1)
             if new is None:
-                convs.append(recorded.gather(2, ends[:, None, :].expand(-1, recorded.shape[1], -1)))
+                convs.append(recorded.gather(2, at))
                 continue
             s = recorded.shape[-1]
-            at = ends[:, None, :].expand(-1, recorded.shape[1], -1)
             convs.append(torch.where(at < s, recorded.gather(2, at.clamp(max=s - 1)), new.gather(2, (at - s).clamp(min=0))))
         conv_all = torch.stack(convs, 1)  # [rows, layers, conv_dim, kernel]
         rec_all = torch.stack([cache.layers[li].recurrent_states[0] for li in self.linear], 1)
@@ -391,8 +391,9 @@ def install_per_row_gdn(model) -> bool:
     of Transformers' modeling module, fla's kernel or its PyTorch fallback) so that, while a padded
     layout asks for per-row states, each row's final state is its own, not one that ran on into the
     padding (see padding_inert_chunk). Otherwise the wrapper passes the call through."""
-    gdn = next((m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")), None)
-    modeling = sys.modules.get(type(gdn).__module__) if gdn is not None else None
+    from openjev.engine.fused import gdn_modeling
+
+    modeling = gdn_modeling(model)
     inner = getattr(modeling, "torch_chunk_gated_delta_rule", None)
     if inner is None or getattr(inner, "_openjev_per_row", False):
         return inner is not None

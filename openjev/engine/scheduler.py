@@ -250,13 +250,15 @@ class Engine:
         as the queued rows fill the step budget, counted as the step counts them (_row_cost)."""
         wait = getattr(self.args, "batch_wait_ms", 0) / 1000
         deadline = time.monotonic() + wait
-        costs: dict[int, int] = {}  # id of a queued job -> the cost of its rows, counted once
+        # id of a queued job -> (the job, the cost of its rows), counted once; holding the job keeps its id
+        # from being reused by a later one while this waits
+        costs: dict[int, tuple] = {}
         while not self._stopping and wait > 0:
             left = deadline - time.monotonic()
             for j in self._pending:
                 if id(j) not in costs:
-                    costs[id(j)] = sum(self._row_cost(r) for r in j.rows[j.cursor:])
-            if left <= 0 or sum(costs[id(j)] for j in self._pending) >= self.args.step_token_budget:
+                    costs[id(j)] = (j, sum(self._row_cost(r) for r in j.rows[j.cursor:]))
+            if left <= 0 or sum(costs[id(j)][1] for j in self._pending) >= self.args.step_token_budget:
                 return
             self._cv.wait(left)
 
