@@ -49,6 +49,10 @@ def build_parser():
     p.add_argument("--forward-rows", type=int, default=None,
                    help="rows any prefix-path forward may hold, tail forwards included (default: the engine's "
                         "PREFIX_FORWARD_ROWS and PREFIX_TAIL_FORWARD_ROWS)")
+    p.add_argument("--forward-costs", default="",
+                   help="comma list of padded tokens one more forward is counted as when a phase's rows are cut into "
+                        "forwards (default: the engine's PREFIX_FORWARD_COST_TOKENS); each value runs the prefix modes "
+                        "again, named MODE@VALUE")
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--divergence-rows", default="", help="comma list of row indices for the module comparison")
     return p
@@ -134,17 +138,18 @@ def server_steps(rows, batch: int, workers: int, budget: int, cost=len):
 
 def run_pass(step_fn, rows, steps, device):
     logits = np.empty((len(rows), 3), dtype=np.float32)
-    computed = forwards = count = 0
+    computed = padded = forwards = count = 0
     sync(device)
     t0 = time.perf_counter()
     for step in steps:
         res = step_fn([rows[i] for i in step])
         logits[step] = res.logits
         computed += res.computed_tokens
+        padded += res.padded_tokens
         forwards += res.forwards
         count += 1
     sync(device)
-    return time.perf_counter() - t0, logits, computed, forwards, count
+    return time.perf_counter() - t0, logits, computed, padded, forwards, count
 
 
 def main() -> int:
@@ -172,7 +177,13 @@ def main() -> int:
     engines = {"prefix_flushed": PrefixEngine(clf, args.cache_mb << 20), "prefix_nocache": PrefixEngine(clf, 0)}
     engines["prefix_warm"] = engines["prefix_flushed"]
     base = None
-    for mode in args.modes.split(","):
+    costs = [int(c) for c in args.forward_costs.split(",") if c] or [prefix.PREFIX_FORWARD_COST_TOKENS]
+    runs = [(m, None) for m in args.modes.split(",") if m == "padded"] + [
+        (m, c) for c in costs for m in args.modes.split(",") if m != "padded"]
+    for mode, cost_tokens in runs:
+        name = mode if cost_tokens is None or len(costs) == 1 else f"{mode}@{cost_tokens}"
+        if cost_tokens is not None:
+            prefix.PREFIX_FORWARD_COST_TOKENS = cost_tokens
         if mode == "padded":
             step_fn = lambda r: forward_rows(clf, r, "padded", args.max_rows)  # noqa: E731
             cost = len
@@ -184,17 +195,17 @@ def main() -> int:
         for k in range(1 + args.passes):
             if mode == "prefix_flushed":
                 eng.cache.clear()
-            sec, logits, computed, forwards, count = run_pass(
+            sec, logits, computed, padded, forwards, count = run_pass(
                 step_fn, rows, server_steps(rows, args.batch, args.workers, args.step_tokens, cost), args.device)
-            out.append({"seconds": round(sec, 4), "computed_tokens": computed, "forwards": forwards, "steps": count})
+            out.append({"seconds": round(sec, 4), "computed_tokens": computed, "padded_tokens": padded, "forwards": forwards, "steps": count})
         if mode == "padded":
             base = logits
         m = {"passes": out, "median_s": round(statistics.median(p["seconds"] for p in out[1:]), 4)}
         if base is not None and mode != "padded":
             m["max_abs_dp_e"] = float(np.abs(entailment_prob(logits) - entailment_prob(base)).max())
             m["argmax_changes"] = int((logits.argmax(1) != base.argmax(1)).sum())
-        res["modes"][mode] = m
-        print(mode, json.dumps({k: v for k, v in m.items() if k != "passes"}), out[-1], flush=True)
+        res["modes"][name] = m
+        print(name, json.dumps({k: v for k, v in m.items() if k != "passes"}), out[-1], flush=True)
     if not args.no_profile:
         eng = engines["prefix_flushed"]
         for name, flush in (("flushed", True), ("warm", False)):
