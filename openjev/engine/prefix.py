@@ -52,10 +52,11 @@ PREFIX_FORWARD_ROWS = 64
 # process on an H100 (results_h100/prefix_reuse/3618537).
 PREFIX_TAIL_FORWARD_ROWS = 128
 # What one more prefix-path forward costs, in padded tokens, when a phase's rows are cut into forwards
-# (batching.length_groups). Swept in process on an H100 (results_h100/prefix_reuse/f8f0032): 2048
-# gave the fastest passes (warm 0.256 s in two forwards against 0.276 s in one at 4096, flushed 1.51
-# against 1.57 s); at 1024 and below the forwards' fixed cost outweighed the padding saved.
-PREFIX_FORWARD_COST_TOKENS = 2048
+# (batching.length_groups): its host time barely grows with its rows, so fewer, fuller forwards win
+# where the plain path's 1024 would cut the short tails apart. 2048 was faster in process on an H100
+# but slower through the server in the next lease (a warm step of two forwards 425-533 ms against one
+# of 258-417 ms; results_h100/prefix_reuse/README.md).
+PREFIX_FORWARD_COST_TOKENS = 4096
 
 
 @dataclass
