@@ -1,0 +1,41 @@
+"""benchmarks/experiments/prefix_reuse_profile.py on the CPU: the padded path and prefix reuse over a
+synthetic set of option groups, steps as the server forms them, and the sweep of the cost one more
+forward is counted as (on a GPU the same script wrote results_h100/prefix_reuse/f8f0032/)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import REPO, run_script
+
+SCRIPT = REPO / "benchmarks" / "experiments" / "prefix_reuse_profile.py"
+
+
+def test_a_forward_cost_sweep_cuts_the_same_rows_into_more_or_fewer_forwards(overlay, tmp_path):
+    run_script("make_synthetic_inputs.py", tmp_path / "set", "--rows", "24", "--premise-tokens", "100:260",
+               "--vocab", "512", "--seed", "5", check=True)
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", str(overlay), "--tokens",
+                           str(tmp_path / "set.tokens.jsonl"), "--out", str(out), "--device", "cpu",
+                           "--modes", "padded,prefix_flushed,prefix_warm", "--passes", "1", "--no-profile",
+                           "--batch", "8", "--workers", "2", "--max-rows", "4", "--step-tokens", "4096",
+                           "--forward-costs", "1,100000"],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((out / "prefix_reuse_profile.json").read_text())
+    modes = res["modes"]
+    assert set(modes) == {"padded", "prefix_flushed@1", "prefix_warm@1", "prefix_flushed@100000", "prefix_warm@100000"}
+    cheap, dear = modes["prefix_flushed@1"]["passes"][-1], modes["prefix_flushed@100000"]["passes"][-1]
+    # the same rows and tokens computed either way; a cheap forward buys less padding with more forwards
+    assert cheap["computed_tokens"] == dear["computed_tokens"] < res["tokens"]
+    assert cheap["padded_tokens"] < dear["padded_tokens"] and cheap["forwards"] > dear["forwards"]
+    assert cheap["padded_tokens"] >= cheap["computed_tokens"]
+    warm = modes["prefix_warm@100000"]["passes"][-1]
+    assert warm["computed_tokens"] < dear["computed_tokens"]
+    for name, m in modes.items():
+        if name != "padded":  # against the padded path's logits: float32 rounding on the CPU
+            assert m["max_abs_dp_e"] < 1e-5 and m["argmax_changes"] == 0, (name, m)
