@@ -177,7 +177,9 @@ def main() -> int:
     engines = {"prefix_flushed": PrefixEngine(clf, args.cache_mb << 20), "prefix_nocache": PrefixEngine(clf, 0)}
     engines["prefix_warm"] = engines["prefix_flushed"]
     base = None
-    costs = [int(c) for c in args.forward_costs.split(",") if c] or [prefix.PREFIX_FORWARD_COST_TOKENS]
+    engine_cost = prefix.PREFIX_FORWARD_COST_TOKENS  # the profile and the module comparison run with it
+    costs = [int(c) for c in args.forward_costs.split(",") if c] or [engine_cost]
+    res["prefix_forward_cost_tokens"] = engine_cost
     runs = [(m, None) for m in args.modes.split(",") if m == "padded"] + [
         (m, c) for c in costs for m in args.modes.split(",") if m != "padded"]
     for mode, cost_tokens in runs:
@@ -206,6 +208,7 @@ def main() -> int:
             m["argmax_changes"] = int((logits.argmax(1) != base.argmax(1)).sum())
         res["modes"][name] = m
         print(name, json.dumps({k: v for k, v in m.items() if k != "passes"}), out[-1], flush=True)
+    prefix.PREFIX_FORWARD_COST_TOKENS = engine_cost
     if not args.no_profile:
         eng = engines["prefix_flushed"]
         for name, flush in (("flushed", True), ("warm", False)):
