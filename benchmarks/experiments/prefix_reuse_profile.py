@@ -184,13 +184,12 @@ def main() -> int:
         (m, c) for c in costs for m in args.modes.split(",") if m != "padded"]
     for mode, cost_tokens in runs:
         name = mode if cost_tokens is None or len(costs) == 1 else f"{mode}@{cost_tokens}"
-        if cost_tokens is not None:
-            prefix.PREFIX_FORWARD_COST_TOKENS = cost_tokens
         if mode == "padded":
             step_fn = lambda r: forward_rows(clf, r, "padded", args.max_rows)  # noqa: E731
             cost = len
         else:
             eng = engines[mode]
+            eng.forward_cost = cost_tokens
             step_fn = lambda r, eng=eng: eng.run_step(r, args.max_rows)  # noqa: E731
             cost = eng.step_tokens
         out = []
@@ -199,7 +198,8 @@ def main() -> int:
                 eng.cache.clear()
             sec, logits, computed, padded, forwards, count = run_pass(
                 step_fn, rows, server_steps(rows, args.batch, args.workers, args.step_tokens, cost), args.device)
-            out.append({"seconds": round(sec, 4), "computed_tokens": computed, "padded_tokens": padded, "forwards": forwards, "steps": count})
+            out.append({"seconds": round(sec, 4), "computed_tokens": computed, "padded_tokens": padded,
+                        "forwards": forwards, "steps": count})
         if mode == "padded":
             base = logits
         m = {"passes": out, "median_s": round(statistics.median(p["seconds"] for p in out[1:]), 4)}
@@ -208,7 +208,8 @@ def main() -> int:
             m["argmax_changes"] = int((logits.argmax(1) != base.argmax(1)).sum())
         res["modes"][name] = m
         print(name, json.dumps({k: v for k, v in m.items() if k != "passes"}), out[-1], flush=True)
-    prefix.PREFIX_FORWARD_COST_TOKENS = engine_cost
+    for eng in engines.values():
+        eng.forward_cost = engine_cost
     if not args.no_profile:
         eng = engines["prefix_flushed"]
         for name, flush in (("flushed", True), ("warm", False)):

@@ -476,6 +476,7 @@ class PrefixEngine:
         self.clf = clf
         self.cache = PrefixCache(budget_bytes) if budget_bytes > 0 else None
         self.min_tokens = min_tokens
+        self.forward_cost = PREFIX_FORWARD_COST_TOKENS  # padded tokens one more forward is counted as
         self.classes = attention_classes(clf.device, self.forwards.text.num_attention_heads, self.forwards.head_dim)
 
     def group(self, row) -> bytes:
@@ -518,7 +519,7 @@ class PrefixEngine:
         def forward(phase, items, want_states, keep=None):
             logits_all, states_all = [None] * len(items), [None] * len(items)
             rows_cap = max(max_rows, PREFIX_TAIL_FORWARD_ROWS if phase == "tail" else PREFIX_FORWARD_ROWS)
-            for idx in length_groups([len(t) for _, t, _ in items], rows_cap, PREFIX_FORWARD_COST_TOKENS):
+            for idx in length_groups([len(t) for _, t, _ in items], rows_cap, self.forward_cost):
                 group = [items[i] for i in idx]
                 with torch.profiler.record_function(f"openjev.prefix.{phase}"):
                     logits, states = self.forwards.run(group, want_states, [keep[i] for i in idx] if keep else None)
