@@ -468,6 +468,14 @@ def _descendants(pid: int) -> list[psutil.Process]:
         return []
 
 
+def _cmdline(p: psutil.Process) -> str:
+    """A process's command line; "" for one that has ended meanwhile (gone, or a zombie not yet reaped)."""
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
 def _kill_leftovers(procs) -> None:
     for p in procs:
         try:
@@ -489,7 +497,7 @@ def test_sigkill_of_the_tuner_leaves_no_process_and_the_next_run_names_the_dead_
                  and (out / "fcfs-4" / "S.cold.bench.log").exists(), 240, "the first bench")
         time.sleep(1.0)  # the bench is sending requests now
         children = _descendants(proc.pid)
-        roles = " ".join(" ".join(p.cmdline()) for p in children)
+        roles = " ".join(_cmdline(p) for p in children)
         assert "bench_classify_v100.py" in roles and "serve_transformers.py" in roles, roles
         proc.kill()  # SIGKILL: no handler runs in the tuner
         proc.wait(10)
