@@ -339,3 +339,74 @@ def test_packed_rows_on_a_gpu_are_within_a_unit_of_the_whole_rows_calls(monkeypa
         for j, n in enumerate(lengths):
             torch.testing.assert_close(packed[j, :n], whole[j, :n], rtol=2e-3, atol=1e-3)
             assert not packed[j, n:].any()
+
+
+def _own_call_definition(torch, query, key, value, lengths, starts, offset, calls, dim):
+    """Each row's own call by its definition: the whole call's queries, zeros but for the row's own
+    after its prefix, keys and values of the prefix and the row (zeros past them), one SDPA call."""
+    out = torch.zeros((query.shape[0], query.shape[2], query.shape[1], dim), dtype=query.dtype, device=query.device)
+    for j, (n, p, c) in enumerate(zip(lengths, starts, calls)):
+        q = torch.zeros((1, query.shape[1], c, dim), dtype=query.dtype, device=query.device)
+        q[0, :, p:p + n] = query[j, :, :n]
+        k = torch.zeros((1, key.shape[1], c, dim), dtype=key.dtype, device=key.device)
+        v = torch.zeros_like(k)
+        k[0, :, :p + n], v[0, :, :p + n] = key[j, :, offset - p: offset + n], value[j, :, offset - p: offset + n]
+        res = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=dim ** -0.5,
+                                                               enable_gqa=True)
+        out[j, :n] = res[0, :, p:p + n].transpose(0, 1)
+    return out
+
+
+OWN_CASES = [
+    ([5, 70, 1, 64], [128, 0, 64, 192], 192, None),  # a long prefix before short ones: the buffer keeps its queries
+    ([3, 70, 64], [64, 0, 128], 128, [200, 300, 257]),  # calls past the tokens: an unseen zero token
+    ([37, 300, 9], None, 0, None),  # no prefix: the padded tensors' views
+]
+
+
+@pytest.mark.parametrize("lengths,starts,offset,calls", OWN_CASES)
+def test_each_rows_own_call_is_its_definition(monkeypatch, lengths, starts, offset, calls):
+    """The rows that keep their own calls (the default) on a CPU, float64, NaN wherever a row's own
+    call does not read: each row's outputs are those of its definition (zero queries before its own,
+    its prefix's keys), padding zero, whatever rows before it left in the shared query buffer."""
+    torch = pytest.importorskip("torch")
+    attention, module, dim, (query, key, value) = _cpu_rowwise_case(monkeypatch, torch, lengths, starts, offset)
+    out, plan = _attend(torch, (lengths, starts, offset, False, calls), query, key, value, module, dim)
+    assert plan.alone == list(range(len(lengths))) and not plan.own.flash  # a CPU: Transformers' function
+    starts, calls = starts or [0] * len(lengths), calls or [n + p for n, p in zip(lengths, starts or [0] * len(lengths))]
+    definition = _own_call_definition(torch, query, key, value, lengths, starts, offset, calls, dim)
+    torch.testing.assert_close(out, definition, rtol=0, atol=1e-12)
+    for j, n in enumerate(lengths):
+        assert not out[j, n:].any()
+
+
+@pytest.mark.gpu
+def test_own_calls_on_a_gpu_are_bitwise_transformers_calls(monkeypatch):
+    """At Qwen3.5-4B's attention shape in FP16, the rows' own calls with FlashAttention's op called
+    directly (SDPA's dispatcher picks it on SM80/SM90) are bit for bit the calls Transformers' SDPA
+    function makes of each row's zero-extended queries, rows with and without a prefix, after rows
+    that left longer prefixes in the query buffer."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.delenv("OPENJEV_PREFIX_ATTENTION", raising=False)
+    monkeypatch.delenv("OPENJEV_PADDED_ATTENTION", raising=False)
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: FlashAttention is a GPU kernel")
+    from openjev.engine import attention
+
+    attention.rowwise_attention()
+    heads, kv_heads, dim = 16, 4, 256
+    module = attention._CheckModule(heads // kv_heads)
+    inner = attention._INNER[0]
+    for lengths, starts, offset in [([37, 300, 1, 64], [1280, 640, 896, 1408], 1408),
+                                    ([37, 3, 700, 1217], [1280, 64, 0, 0], 1280),
+                                    ([900, 130, 1500], [0, 0, 0], 0)]:
+        query, key, value = _rows(torch, lengths, offset, heads, kv_heads, dim, torch.float16, "cuda", starts,
+                                  nan_outside=True)
+        out, plan = _attend(torch, (lengths, starts, offset, False), query, key, value, module, dim)
+        assert plan.own.flash is True
+        for j, (n, p) in enumerate(zip(lengths, starts)):
+            q, k, v = (x[j:j + 1, :, offset - p if x is not query else 0:] for x in (query, key, value))
+            q, k, v = q[:, :, :n], k[:, :, :p + n], v[:, :, :p + n]
+            own = (inner(module, q, k, v, None, scaling=dim ** -0.5)[0] if p == 0
+                   else attention.attend_after_prefix(inner, module, q, k, v, p, scaling=dim ** -0.5))
+            assert torch.equal(out[j:j + 1, :n], own), (lengths, j, float((out[j:j + 1, :n] - own).abs().max()))

@@ -3,9 +3,9 @@
 A right-padded forward (classifier.padded_logits, prefix.ContinuationForwards) declares its layout
 (`padded_layout`); Transformers' "sdpa" attention function, wrapped once (`rowwise_attention`), then
 gives every row the output of the call an unpadded forward of that row makes: causal, no mask,
-FlashAttention on a GPU. A row that goes on from a prefix state runs the call its whole row's
-forward makes, with zeros for the queries the forward does not hold and for the keys it has not
-reached (`attend_after_prefix`): where a call's query blocks do not fill the GPU, FlashAttention
+FlashAttention on a GPU, its op called directly where SDPA's dispatcher picks it (`OwnCalls`). A
+row that goes on from a prefix state runs the call its whole row's forward makes, whose outputs
+before its own queries are dropped and whose keys past them are zeros (`attend_after_prefix`): where a call's query blocks do not fill the GPU, FlashAttention
 splits its keys by the call's length, so only the whole row's length gives every query its bits,
 and a prefix state is shared only between rows whose calls agree on that (`attention_class`).
 With OPENJEV_PREFIX_ATTENTION=varlen (opt-in, GPU only), forwards from prefix states instead attend
@@ -137,7 +137,6 @@ def rowwise_attention() -> str:
         off = layout.offset if layout is not None else 0
         if layout is None or query.shape[0] != len(layout.lengths) or key.shape[2] != off + query.shape[2]:
             return inner(module, query, key, value, attention_mask, **kwargs)
-        starts = layout.starts or (0,) * len(layout.lengths)
         out = query.new_zeros((query.shape[0], query.shape[2], query.shape[1], value.shape[-1]))
         plan = _plan(layout, query, key.shape[1], inner)
         if plan.packed is not None:
@@ -146,15 +145,8 @@ def rowwise_attention() -> str:
                 return out, None
         if plan.batch is not None:  # first: a direct call writes every row, the rows alone then their own
             plan.batch.attend(inner, module, query, key, value, out, **kwargs)
-        calls = layout.call_lengths()
-        for j in plan.alone:
-            n, p = layout.lengths[j], starts[j]
-            q, k, v = query[j:j + 1, :, :n], key[j:j + 1, :, off - p: off + n], value[j:j + 1, :, off - p: off + n]
-            if calls[j] == n:  # the row's own unpadded call
-                row = inner(module, q, k, v, None, **kwargs)[0]
-            else:
-                row = attend_after_prefix(inner, module, q, k, v, p, call=calls[j], **kwargs)
-            out[j:j + 1, :n] = row
+        if plan.alone:
+            plan.own.attend(inner, module, query, key, value, out, **kwargs)
         return out, None
 
     sdpa_rowwise._openjev_rowwise = True
@@ -188,6 +180,74 @@ class RowPlan:
     alone: list          # rows that get their own call
     batch: "BatchedRows | DirectRows | None"
     packed: "PackedRows | None" = None  # every row in one variable-length call (OPENJEV_PREFIX_ATTENTION=varlen)
+    own: "OwnCalls | None" = None       # how the rows in `alone` make their calls
+
+    def __post_init__(self):
+        if self.own is None:
+            self.own = OwnCalls(list(self.alone))
+
+
+@dataclass
+class OwnCalls:
+    """Each row's own call (RowPlan.alone) with few host operations a row, where a forward makes up to
+    a thousand of them: keys and values are views of the cache; a row that goes on from a prefix has
+    its queries copied after the prefix into one buffer a forward, whose earlier positions keep what
+    the row before left there (a query's output depends on its own query and the keys alone, and those
+    positions' outputs are dropped); on a GPU where SDPA's dispatcher picks FlashAttention for the
+    call, its op is called directly, without the dispatcher's and Transformers' work a call. The
+    same kernel on the same call as the row's unpadded forward: the same bits. A row whose call is
+    longer than its prefix and tokens (an unseen zero token, see attend_after_prefix) goes that way."""
+
+    rows: list
+    flash: bool | None = None   # decided at the first call of the forward
+    buffer: object = None       # [1, longest call, heads, dim]: queries after a prefix
+
+    def attend(self, inner, module, query, key, value, out, **kwargs) -> None:
+        """query [rows, heads, width, dim], key/value [rows, kv heads, offset + width, dim] as
+        Transformers' SDPA function gets them; out [rows, width, heads, dim] gets each row's queries."""
+        import torch
+
+        layout = _LAYOUT.get()
+        off, starts, calls = layout.offset, layout.starts or (0,) * len(layout.lengths), layout.call_lengths()
+        qt, kt, vt = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [rows, tokens, heads, dim]
+        scale = kwargs.get("scaling")
+        for j in self.rows:
+            n, p, c = layout.lengths[j], starts[j], calls[j]
+            if c > p + n:
+                q, k, v = query[j:j + 1, :, :n], key[j:j + 1, :, off - p: off + n], value[j:j + 1, :, off - p: off + n]
+                out[j:j + 1, :n] = attend_after_prefix(inner, module, q, k, v, p, call=c, **kwargs)
+                continue
+            q = qt[j:j + 1, :n]
+            if p:
+                if self.buffer is None or self.buffer.shape[1] < c:
+                    width = max(calls[i] for i in self.rows)
+                    self.buffer = query.new_zeros((1, width, query.shape[1], query.shape[3]))
+                self.buffer[0, p:p + n] = q[0]
+                q = self.buffer[:, :c]
+            k, v = kt[j:j + 1, off - p: off + n], vt[j:j + 1, off - p: off + n]
+            if self.flash is None:
+                self.flash = _flash_is_chosen(q, k, v, scale)
+            if self.flash:
+                res = torch.ops.aten._scaled_dot_product_flash_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, True, False, scale=scale)[0]
+                res = res.transpose(1, 2)
+            else:
+                res = inner(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, **kwargs)[0]
+            out[j, :n] = res[0, p:p + n]
+
+
+def _flash_is_chosen(q, k, v, scale) -> bool:
+    """Whether SDPA's dispatcher runs a causal call of these [1, tokens, heads, dim] rows (as Transformers
+    makes it: no mask, key-value heads grouped) on FlashAttention, the one backend whose op is called
+    directly."""
+    if not q.is_cuda or q.shape[-1] % 8:  # SDPA pads other head sizes before the op
+        return False
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    choice = torch._fused_sdp_choice(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                     scale=scale, enable_gqa=k.shape[2] != q.shape[2])
+    return int(choice) == int(SDPBackend.FLASH_ATTENTION)
 
 
 def varlen_flash(query, key, value, cu_q, cu_k, max_q: int, max_k: int, scale):
