@@ -42,3 +42,14 @@ def test_a_forward_cost_sweep_cuts_the_same_rows_into_more_or_fewer_forwards(ove
     for name, m in modes.items():
         if name != "padded":  # against the padded path's logits: float32 rounding on the CPU
             assert m["max_abs_dp_e"] < 1e-5 and m["argmax_changes"] == 0, (name, m)
+
+
+def test_a_malformed_forward_cost_list_is_one_line_before_any_work(tmp_path):
+    for value in ("1,abc", "0", "", "4096,-1"):
+        proc = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tmp_path / "none"), "--tokens",
+                               str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "out"), "--forward-costs", value],
+                              capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr.splitlines()[-1] == (f"prefix_reuse_profile.py: error: argument --forward-costs: {value!r}: "
+                                                "expected a comma list of positive integers, e.g. 1024,4096")
+        assert not (tmp_path / "out").exists()

@@ -23,6 +23,7 @@ first module whose output leaves the exact forward's is named.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -37,6 +38,17 @@ from openjev.common import entailment_prob, read_tokens, truncate_rows
 MODES = ("padded", "prefix_flushed", "prefix_warm", "prefix_nocache")
 
 
+def positive_ints(text: str) -> list[int]:
+    """A comma list of positive integers (argparse type)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of positive integers, e.g. 1024,4096")
+    return values
+
+
 def build_parser():
     p = base_parser(__doc__)
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
@@ -49,7 +61,7 @@ def build_parser():
     p.add_argument("--forward-rows", type=int, default=None,
                    help="rows any prefix-path forward may hold, tail forwards included (default: the engine's "
                         "PREFIX_FORWARD_ROWS and PREFIX_TAIL_FORWARD_ROWS)")
-    p.add_argument("--forward-costs", default="",
+    p.add_argument("--forward-costs", type=positive_ints, default=[],
                    help="comma list of padded tokens one more forward is counted as when a phase's rows are cut into "
                         "forwards (default: the engine's PREFIX_FORWARD_COST_TOKENS); each value runs the prefix modes "
                         "again, named MODE@VALUE")
@@ -178,7 +190,7 @@ def main() -> int:
     engines["prefix_warm"] = engines["prefix_flushed"]
     base = None
     engine_cost = prefix.PREFIX_FORWARD_COST_TOKENS  # the profile and the module comparison run with it
-    costs = [int(c) for c in args.forward_costs.split(",") if c] or [engine_cost]
+    costs = args.forward_costs or [engine_cost]
     res["prefix_forward_cost_tokens"] = engine_cost
     runs = [(m, None) for m in args.modes.split(",") if m == "padded"] + [
         (m, c) for c in costs for m in args.modes.split(",") if m != "padded"]
