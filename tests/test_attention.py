@@ -358,7 +358,7 @@ def _own_call_definition(torch, query, key, value, lengths, starts, offset, call
 
 
 OWN_CASES = [
-    ([5, 70, 1, 64], [128, 0, 64, 192], 192, None),  # a long prefix before short ones: the buffer keeps its queries
+    ([5, 70, 1, 64], [128, 0, 64, 192], 192, None),  # rows with and without a prefix: buffer segments, views
     ([3, 70, 64], [64, 0, 128], 128, [200, 300, 257]),  # calls past the tokens: an unseen zero token
     ([37, 300, 9], None, 0, None),  # no prefix: the padded tensors' views
 ]
@@ -368,7 +368,7 @@ OWN_CASES = [
 def test_each_rows_own_call_is_its_definition(monkeypatch, lengths, starts, offset, calls):
     """The rows that keep their own calls (the default) on a CPU, float64, NaN wherever a row's own
     call does not read: each row's outputs are those of its definition (zero queries before its own,
-    its prefix's keys), padding zero, whatever rows before it left in the shared query buffer."""
+    its prefix's keys), put back in its place, padding zero."""
     torch = pytest.importorskip("torch")
     attention, module, dim, (query, key, value) = _cpu_rowwise_case(monkeypatch, torch, lengths, starts, offset)
     out, plan = _attend(torch, (lengths, starts, offset, False, calls), query, key, value, module, dim)
@@ -384,8 +384,7 @@ def test_each_rows_own_call_is_its_definition(monkeypatch, lengths, starts, offs
 def test_own_calls_on_a_gpu_are_bitwise_transformers_calls(monkeypatch):
     """At Qwen3.5-4B's attention shape in FP16, the rows' own calls with FlashAttention's op called
     directly (SDPA's dispatcher picks it on SM80/SM90) are bit for bit the calls Transformers' SDPA
-    function makes of each row's zero-extended queries, rows with and without a prefix, after rows
-    that left longer prefixes in the query buffer."""
+    function makes of each row's zero-extended queries, rows with and without a prefix."""
     torch = pytest.importorskip("torch")
     monkeypatch.delenv("OPENJEV_PREFIX_ATTENTION", raising=False)
     monkeypatch.delenv("OPENJEV_PADDED_ATTENTION", raising=False)

@@ -190,17 +190,43 @@ class RowPlan:
 @dataclass
 class OwnCalls:
     """Each row's own call (RowPlan.alone) with few host operations a row, where a forward makes up to
-    a thousand of them: keys and values are views of the cache; a row that goes on from a prefix has
-    its queries copied after the prefix into one buffer a forward, whose earlier positions keep what
-    the row before left there (a query's output depends on its own query and the keys alone, and those
-    positions' outputs are dropped); on a GPU where SDPA's dispatcher picks FlashAttention for the
-    call, its op is called directly, without the dispatcher's and Transformers' work a call. The
-    same kernel on the same call as the row's unpadded forward: the same bits. A row whose call is
-    longer than its prefix and tokens (an unseen zero token, see attend_after_prefix) goes that way."""
+    a thousand of them. Keys and values are views of the cache. The queries of the rows that go on
+    from a prefix are placed after their prefixes in one zeroed buffer a forward (one gather a layer;
+    each row's call a view of it), and every row's outputs go back in one copy a layer. On a GPU
+    where SDPA's dispatcher picks FlashAttention for the call, its op is called directly, without the
+    dispatcher's and Transformers' work a call. The same kernel on the same call as the row's
+    unpadded forward: the same bits. A row whose call is longer than its prefix and tokens (an unseen
+    zero token, see attend_after_prefix) makes its call that way."""
 
     rows: list
     flash: bool | None = None   # decided at the first call of the forward
-    buffer: object = None       # [1, longest call, heads, dim]: queries after a prefix
+    plan: tuple | None = None   # built at the forward's first attention layer (_build)
+    buffer: object = None       # [tokens, heads, dim]: each prefix row's call's queries, one after another
+
+    def _build(self, layout, width: int, device):
+        """(rows of direct calls with their buffer start, rows of longer calls, buffer tokens, query
+        gather and scatter index, output index), the indices on the device."""
+        import torch
+
+        starts, calls = layout.starts or (0,) * len(layout.lengths), layout.call_lengths()
+        direct, longer, total = [], [], 0
+        q_src, q_dst, o_idx = [], [], []
+        for j in self.rows:
+            n, p, c = layout.lengths[j], starts[j], calls[j]
+            if c > p + n:
+                longer.append(j)
+                continue
+            direct.append((j, n, p, total))
+            o_idx.append(torch.arange(j * width, j * width + n))
+            if p:
+                q_src.append(torch.arange(j * width, j * width + n))
+                q_dst.append(torch.arange(total + p, total + p + n))
+                total += c
+
+        def index(parts):
+            return to_device(torch.cat(parts), device) if parts else None
+
+        return direct, longer, total, index(q_src), index(q_dst), index(o_idx)
 
     def attend(self, inner, module, query, key, value, out, **kwargs) -> None:
         """query [rows, heads, width, dim], key/value [rows, kv heads, offset + width, dim] as
@@ -208,22 +234,20 @@ class OwnCalls:
         import torch
 
         layout = _LAYOUT.get()
-        off, starts, calls = layout.offset, layout.starts or (0,) * len(layout.lengths), layout.call_lengths()
+        rows, heads, width, dim = query.shape
+        if self.plan is None:
+            self.plan = self._build(layout, width, query.device)
+        direct, longer, total, q_src, q_dst, o_idx = self.plan
+        off = layout.offset
         qt, kt, vt = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [rows, tokens, heads, dim]
+        if total:
+            if self.buffer is None:
+                self.buffer = query.new_zeros((total, heads, dim))
+            self.buffer[q_dst] = qt.reshape(rows * width, heads, dim)[q_src]
         scale = kwargs.get("scaling")
-        for j in self.rows:
-            n, p, c = layout.lengths[j], starts[j], calls[j]
-            if c > p + n:
-                q, k, v = query[j:j + 1, :, :n], key[j:j + 1, :, off - p: off + n], value[j:j + 1, :, off - p: off + n]
-                out[j:j + 1, :n] = attend_after_prefix(inner, module, q, k, v, p, call=c, **kwargs)
-                continue
-            q = qt[j:j + 1, :n]
-            if p:
-                if self.buffer is None or self.buffer.shape[1] < c:
-                    width = max(calls[i] for i in self.rows)
-                    self.buffer = query.new_zeros((1, width, query.shape[1], query.shape[3]))
-                self.buffer[0, p:p + n] = q[0]
-                q = self.buffer[:, :c]
+        parts = []
+        for j, n, p, at in direct:
+            q = self.buffer[at:at + p + n].unsqueeze(0) if p else qt[j:j + 1, :n]
             k, v = kt[j:j + 1, off - p: off + n], vt[j:j + 1, off - p: off + n]
             if self.flash is None:
                 self.flash = _flash_is_chosen(q, k, v, scale)
@@ -233,7 +257,14 @@ class OwnCalls:
                 res = res.transpose(1, 2)
             else:
                 res = inner(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, **kwargs)[0]
-            out[j, :n] = res[0, p:p + n]
+            parts.append(res[0, p:p + n])
+        if parts:
+            out.view(rows * width, heads, out.shape[-1]).index_copy_(0, o_idx, torch.cat(parts))
+        starts, calls = layout.starts or (0,) * len(layout.lengths), layout.call_lengths()
+        for j in longer:
+            n, p = layout.lengths[j], starts[j]
+            q, k, v = query[j:j + 1, :, :n], key[j:j + 1, :, off - p: off + n], value[j:j + 1, :, off - p: off + n]
+            out[j:j + 1, :n] = attend_after_prefix(inner, module, q, k, v, p, call=calls[j], **kwargs)
 
 
 def _flash_is_chosen(q, k, v, scale) -> bool:
