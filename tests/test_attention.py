@@ -7,6 +7,20 @@ import pytest
 
 from openjev_testsupport.varlen_reference import varlen_reference
 
+
+@pytest.fixture(autouse=True)
+def serving_sdpa_backends():
+    """SDPA's backends as the embedded backend sets them on a GPU (kernels.configure_backends: no cuDNN
+    attention, so SDPA picks FlashAttention), put back after each test."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        yield
+        return
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    yield
+    torch.backends.cuda.enable_cudnn_sdp(was)
+
 # (row lengths, prefix lengths, offset of the cached keys, per-row states, the whole rows' calls) and the
 # rows that keep their own call: a call of a whole number of 64-token tiles
 CASES = [
