@@ -201,7 +201,7 @@ class OwnCalls:
     rows: list
     flash: bool | None = None   # decided at the first call of the forward
     plan: tuple | None = None   # built at the forward's first attention layer (_build)
-    buffer: object = None       # [tokens, heads, dim]: each prefix row's call's queries, one after another
+    buffer: object = None       # [heads, tokens, dim]: each prefix row's call's queries, one after another
 
     def _build(self, layout, width: int, device):
         """(rows of direct calls with their buffer start, rows of longer calls, buffer tokens, query
@@ -239,27 +239,24 @@ class OwnCalls:
             self.plan = self._build(layout, width, query.device)
         direct, longer, total, q_src, q_dst, o_idx = self.plan
         off = layout.offset
-        qt, kt, vt = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [rows, tokens, heads, dim]
         if total:
             if self.buffer is None:
-                self.buffer = query.new_zeros((total, heads, dim))
-            self.buffer[q_dst] = qt.reshape(rows * width, heads, dim)[q_src]
+                self.buffer = query.new_zeros((heads, total, dim))
+            self.buffer[:, q_dst] = query.transpose(1, 2).reshape(rows * width, heads, dim)[q_src].transpose(0, 1)
         scale = kwargs.get("scaling")
-        parts = []
+        parts = []  # [heads, n, dim] each
         for j, n, p, at in direct:
-            q = self.buffer[at:at + p + n].unsqueeze(0) if p else qt[j:j + 1, :n]
-            k, v = kt[j:j + 1, off - p: off + n], vt[j:j + 1, off - p: off + n]
+            q = self.buffer[None, :, at:at + p + n] if p else query[j:j + 1, :, :n]
+            k, v = key[j:j + 1, :, off - p: off + n], value[j:j + 1, :, off - p: off + n]
             if self.flash is None:
                 self.flash = _flash_is_chosen(q, k, v, scale)
             if self.flash:
-                res = torch.ops.aten._scaled_dot_product_flash_attention(
-                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, True, False, scale=scale)[0]
-                res = res.transpose(1, 2)
+                res = torch._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[0]
+                parts.append(res[0, :, p:])
             else:
-                res = inner(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, **kwargs)[0]
-            parts.append(res[0, p:p + n])
+                parts.append(inner(module, q, k, v, None, **kwargs)[0][0, p:].transpose(0, 1))
         if parts:
-            out.view(rows * width, heads, out.shape[-1]).index_copy_(0, o_idx, torch.cat(parts))
+            out.view(rows * width, heads, out.shape[-1]).index_copy_(0, o_idx, torch.cat(parts, 1).transpose(0, 1))
         starts, calls = layout.starts or (0,) * len(layout.lengths), layout.call_lengths()
         for j in longer:
             n, p = layout.lengths[j], starts[j]
@@ -268,7 +265,7 @@ class OwnCalls:
 
 
 def _flash_is_chosen(q, k, v, scale) -> bool:
-    """Whether SDPA's dispatcher runs a causal call of these [1, tokens, heads, dim] rows (as Transformers
+    """Whether SDPA's dispatcher runs a causal call of these [1, heads, tokens, dim] rows (as Transformers
     makes it: no mask, key-value heads grouped) on FlashAttention, the one backend whose op is called
     directly."""
     if not q.is_cuda or q.shape[-1] % 8:  # SDPA pads other head sizes before the op
@@ -276,8 +273,7 @@ def _flash_is_chosen(q, k, v, scale) -> bool:
     import torch
     from torch.nn.attention import SDPBackend
 
-    choice = torch._fused_sdp_choice(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                     scale=scale, enable_gqa=k.shape[2] != q.shape[2])
+    choice = torch._fused_sdp_choice(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     return int(choice) == int(SDPBackend.FLASH_ATTENTION)
 
 
