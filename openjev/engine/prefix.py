@@ -166,23 +166,24 @@ class PrefixCache:
 
 
 def shared_prefixes(rows: list[list[int]], floors: list[int], limits: list[int], min_tokens: int,
-                    groups: list[bytes] | None = None) -> dict:
+                    groups: list[bytes] | None = None, arrays: list | None = None) -> dict:
     """Prefixes worth one forward for several rows of a step: row index -> prefix length.
 
     Rows are sorted by attention group (see PrefixEngine.group) and token ids, so rows that may share
     a prefix stand together; a row's shared prefix is the longer of its common prefixes with its two
     neighbours of its group, cut to a multiple of GDN_CHUNK and to `limits`, taken when at least two
     rows share it and it is `min_tokens` longer than what the row already has (`floors`, its cached
-    prefix)."""
+    prefix); `arrays`: the rows as int64 arrays, where the caller has them."""
     groups = groups or [b""] * len(rows)
+    arrays = arrays or [np.asarray(r, dtype=np.int64) for r in rows]
     order = sorted(range(len(rows)), key=lambda i: (groups[i], rows[i]))
     lcp = [0] * max(len(order) - 1, 0)
     for k in range(len(order) - 1):
         if groups[order[k]] != groups[order[k + 1]]:
             continue
-        a, b = rows[order[k]], rows[order[k + 1]]
+        a, b = arrays[order[k]], arrays[order[k + 1]]
         n = min(len(a), len(b))
-        diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+        diff = np.flatnonzero(a[:n] != b[:n])
         lcp[k] = int(diff[0]) if diff.size else n
     chosen: dict[int, int] = {}
     for k, i in enumerate(order):
@@ -194,7 +195,7 @@ def shared_prefixes(rows: list[list[int]], floors: list[int], limits: list[int],
     # a prefix only one row chose is no saving: that row runs from what it has
     by_key: dict[bytes, list[int]] = {}
     for i, n in chosen.items():
-        by_key.setdefault(prefix_key(rows[i][:n], groups[i]), []).append(i)
+        by_key.setdefault(prefix_key(arrays[i][:n], groups[i]), []).append(i)
     return {i: chosen[i] for members in by_key.values() if len(members) > 1 for i in members}
 
 
@@ -503,10 +504,11 @@ class PrefixEngine:
 
     def run_step(self, rows: list[list[int]], max_rows: int) -> StepResult:
         n = len(rows)
+        arrays = [np.asarray(r, dtype=np.int64) for r in rows]  # once a step: prefix keys hash their bytes
         limits = [self.state_limit(r) for r in rows]
         groups = [self.group(r) for r in rows]
-        best = [self.cache.longest(r, limit, g) if self.cache is not None and limit > 0 else None
-                for r, limit, g in zip(rows, limits, groups)]
+        best = [self.cache.longest(a, limit, g) if self.cache is not None and limit > 0 else None
+                for a, limit, g in zip(arrays, limits, groups)]
 
         def have(i: int) -> int:  # tokens of row i its best state already holds
             return best[i].length if best[i] is not None else 0
@@ -533,8 +535,8 @@ class PrefixEngine:
             return logits_all, states_all
 
         # shared prefixes of this step, each run once from the longest cached state of it
-        shared = shared_prefixes(rows, floors, limits, self.min_tokens, groups)
-        keys = {i: prefix_key(rows[i][:length], groups[i]) for i, length in shared.items()}
+        shared = shared_prefixes(rows, floors, limits, self.min_tokens, groups, arrays)
+        keys = {i: prefix_key(arrays[i][:length], groups[i]) for i, length in shared.items()}
         prefixes: dict[bytes, tuple[int, int]] = {}  # key -> (a row holding it, its length)
         for i, length in shared.items():
             prefixes.setdefault(keys[i], (i, length))
@@ -545,7 +547,7 @@ class PrefixEngine:
             made = dict(zip(prefixes, states))
             if self.cache is not None:
                 for (i, length), st in zip(plan, states):
-                    self.cache.put(rows[i][:length], st, groups[i])
+                    self.cache.put(arrays[i][:length], st, groups[i])
             for i in shared:
                 best[i] = made[keys[i]]
         if self.cache is None:
@@ -559,7 +561,7 @@ class PrefixEngine:
                 keep = [limits[i] - have(i) if have(i) < limits[i] else None for i in range(n)]
                 out, states = forward("body", items, False, keep)
                 for i in body:
-                    self.cache.put(rows[i][:limits[i]], states[i], groups[i])
+                    self.cache.put(arrays[i][:limits[i]], states[i], groups[i])
             else:
                 out, _ = forward("tail", items, False)
         with torch.inference_mode():
