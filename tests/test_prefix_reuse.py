@@ -571,3 +571,52 @@ def test_attention_after_a_prefix_is_bitwise_the_whole_rows_causal_attention():
             cut = attend_after_prefix(inner, None, q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop], start,
                                        call=prefix + n, scaling=dim ** -0.5)
             assert torch.equal(cut, whole[:, start:stop]), (start, stop, float((cut - whole[:, start:stop]).abs().max()))
+
+
+def test_forwards_from_prefix_states_make_their_own_masks(clf, monkeypatch):
+    """Forwards of the prefix path give the model its masks by layer type (none for the row-by-row
+    attention, the new tokens' padding mask for the GDN layers), so Transformers' mask functions, which
+    read the mask back to the host, never run; logits and kept states are bitwise those of the 2-D mask."""
+    torch = pytest.importorskip("torch")
+    from openjev.engine import prefix
+    from openjev.engine.fused import gdn_modeling
+
+    rows = _rows(clf.vocab_size)
+
+    def run():
+        engine = prefix.PrefixEngine(clf, 64 << 20, min_tokens=16)
+        cold = engine.run_step(rows, max_rows=8).logits
+        return cold, engine.run_step(rows, max_rows=8).logits, list(engine.cache.entries.values())
+
+    modeling = gdn_modeling(clf.model)
+    with monkeypatch.context() as mp:
+        for name in ("create_causal_mask", "create_recurrent_attention_mask"):
+            mp.setattr(modeling, name, lambda *a, _n=name, **k: pytest.fail(f"Transformers' {_n} ran"))
+        own = run()
+    monkeypatch.setattr(prefix.ContinuationForwards, "_masks", lambda self, mask, offset: mask)
+    two_d = run()
+    assert np.array_equal(own[0], two_d[0]) and np.array_equal(own[1], two_d[1])
+    assert len(own[2]) == len(two_d[2]) > 0
+    for a, b in zip(own[2], two_d[2]):
+        assert a.length == b.length and all(torch.equal(getattr(a, k), getattr(b, k))
+                                            for k in ("conv", "recurrent", "keys", "values"))
+
+
+def test_the_masked_attention_mode_keeps_transformers_masks(clf, monkeypatch):
+    """The GDN layers' mask is the one Transformers' function makes; with OPENJEV_PADDED_ATTENTION=masked
+    Transformers' attention function runs, which needs its mask: the prefix path then hands the model
+    the 2-D mask."""
+    torch = pytest.importorskip("torch")
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from openjev.engine import attention, prefix
+
+    from transformers.masking_utils import create_recurrent_attention_mask
+
+    mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1]])  # a left-padded prefix, a right-padded token
+    forwards = prefix.PrefixEngine(clf, 0).forwards
+    made = forwards._masks(mask, 3)
+    theirs = create_recurrent_attention_mask(clf.model.config.get_text_config(), torch.zeros((2, 2, 8)), mask)
+    assert made["full_attention"] is None and torch.equal(made["linear_attention"], theirs)
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", attention._INNER[0])  # as if never wrapped
+    assert forwards._masks(mask, 3) is mask

@@ -154,6 +154,15 @@ def rowwise_attention() -> str:
     return mode
 
 
+def rowwise_in_force(model) -> bool:
+    """Whether `model`'s attention layers call the row-by-row function (rowwise_attention installed
+    and the model on Transformers' "sdpa" implementation)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return (getattr(model.config, "_attn_implementation", None) == "sdpa"
+            and getattr(ALL_ATTENTION_FUNCTIONS.get("sdpa"), "_openjev_rowwise", False))
+
+
 def attend_after_prefix(inner, module, query, key, value, prefix: int, call: int | None = None, **kwargs):
     """One row's queries after `prefix` tokens over the prefix's keys and its own, in [1, n, heads, dim]
     as Transformers' SDPA function returns it: the call an unpadded forward of the whole row makes

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from openjev.engine.attention import attention_class, current_layout, device_sms, padded_layout
+from openjev.engine.attention import attention_class, current_layout, device_sms, padded_layout, rowwise_in_force
 from openjev.engine.batching import StepResult, length_groups
 from openjev.engine.transfer import to_device
 
@@ -255,7 +255,7 @@ class ContinuationForwards:
         valid = to_device(valid, dev) if valid is not None else None
         with torch.inference_mode(), padded_layout(lengths, starts, offset, per_row_states=want_states, valid=valid,
                                                    calls=calls, keep=kept if kept != lengths else None):
-            out = self.clf.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+            out = self.clf.model(input_ids=ids, attention_mask=self._masks(mask, offset), position_ids=pos,
                                  past_key_values=cache, use_cache=True)
             with torch.profiler.record_function("openjev.prefix.states"):
                 states = None
@@ -263,6 +263,17 @@ class ContinuationForwards:
                     wanted = [b for b in range(n) if keep is None or keep[b] is not None]
                     states = self._states(cache, starts, kept, offset, wanted)
         return out.logits, states
+
+    def _masks(self, mask, offset: int):
+        """The model's masks by layer type, made here where attention runs row by row: Transformers'
+        own mask functions read the padding mask back to the host (a synchronisation a forward, which
+        left the host idle while the device caught up). Full attention reads no mask under the padded
+        layout (attention.rowwise_attention); the GDN layers get the new tokens' padding mask, the
+        trimmed mask Transformers would give them. Elsewhere (OPENJEV_PADDED_ATTENTION=masked) the
+        2-D mask, for Transformers' masks."""
+        if not rowwise_in_force(self.clf.model):
+            return mask
+        return {"full_attention": None, "linear_attention": mask[:, offset:].contiguous()}
 
     def _cache(self, starts: list, offset: int, record: bool, width: int):
         """A DynamicCache holding the rows' start states: GDN conv and recurrent states stacked by row,
