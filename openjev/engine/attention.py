@@ -4,8 +4,9 @@ A right-padded forward (classifier.padded_logits, prefix.ContinuationForwards) d
 (`padded_layout`); Transformers' "sdpa" attention function, wrapped once (`rowwise_attention`), then
 gives every row the output of the call an unpadded forward of that row makes: causal, no mask,
 FlashAttention on a GPU, its op called directly where SDPA's dispatcher picks it (`OwnCalls`). A
-row that goes on from a prefix state runs the call its whole row's forward makes, whose outputs
-before its own queries are dropped and whose keys past them are zeros (`attend_after_prefix`): where a call's query blocks do not fill the GPU, FlashAttention
+row that goes on from a prefix state runs the call its whole row's forward makes, with zeros for
+the queries the forward does not hold, whose outputs are dropped, and for the keys it has not
+reached (`attend_after_prefix`): where a call's query blocks do not fill the GPU, FlashAttention
 splits its keys by the call's length, so only the whole row's length gives every query its bits,
 and a prefix state is shared only between rows whose calls agree on that (`attention_class`).
 With OPENJEV_PREFIX_ATTENTION=varlen (opt-in, GPU only), forwards from prefix states instead attend
