@@ -394,7 +394,8 @@ def test_each_rows_own_call_is_its_definition(monkeypatch, lengths, starts, offs
     attention, module, dim, (query, key, value) = _cpu_rowwise_case(monkeypatch, torch, lengths, starts, offset)
     out, plan = _attend(torch, (lengths, starts, offset, False, calls), query, key, value, module, dim)
     assert plan.alone == list(range(len(lengths))) and not plan.own.flash  # a CPU: Transformers' function
-    starts, calls = starts or [0] * len(lengths), calls or [n + p for n, p in zip(lengths, starts or [0] * len(lengths))]
+    starts = starts or [0] * len(lengths)
+    calls = calls or [n + p for n, p in zip(lengths, starts)]
     definition = _own_call_definition(torch, query, key, value, lengths, starts, offset, calls, dim)
     torch.testing.assert_close(out, definition, rtol=0, atol=1e-12)
     for j, n in enumerate(lengths):
@@ -425,8 +426,8 @@ def test_own_calls_on_a_gpu_are_bitwise_transformers_calls(monkeypatch):
         out, plan = _attend(torch, (lengths, starts, offset, False), query, key, value, module, dim)
         assert plan.own.flash is True
         for j, (n, p) in enumerate(zip(lengths, starts)):
-            q, k, v = (x[j:j + 1, :, offset - p if x is not query else 0:] for x in (query, key, value))
-            q, k, v = q[:, :, :n], k[:, :, :p + n], v[:, :, :p + n]
+            q = query[j:j + 1, :, :n]
+            k, v = key[j:j + 1, :, offset - p: offset + n], value[j:j + 1, :, offset - p: offset + n]
             own = (inner(module, q, k, v, None, scaling=dim ** -0.5)[0] if p == 0
                    else attention.attend_after_prefix(inner, module, q, k, v, p, scaling=dim ** -0.5))
             assert torch.equal(out[j:j + 1, :n], own), (lengths, j, float((out[j:j + 1, :n] - own).abs().max()))

@@ -607,11 +607,10 @@ def test_the_masked_attention_mode_keeps_transformers_masks(clf, monkeypatch):
     Transformers' attention function runs, which needs its mask: the prefix path then hands the model
     the 2-D mask."""
     torch = pytest.importorskip("torch")
+    from transformers.masking_utils import create_recurrent_attention_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from openjev.engine import attention, prefix
-
-    from transformers.masking_utils import create_recurrent_attention_mask
 
     mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1]])  # a left-padded prefix, a right-padded token
     forwards = prefix.PrefixEngine(clf, 0).forwards

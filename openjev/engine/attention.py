@@ -65,12 +65,15 @@ class PaddedLayout:
     keep: tuple | None = None
     plans: dict = field(default_factory=dict, compare=False, repr=False)  # per device: the attention plan
 
+    def prefixes(self) -> tuple:
+        """Each row's prefix length (0 for every row where no `starts` were given)."""
+        return self.starts or (0,) * len(self.lengths)
+
     def call_lengths(self) -> list[int]:
         """Each row's own attention call: `calls`, else its prefix and tokens."""
         if self.calls:
             return list(self.calls)
-        starts = self.starts or (0,) * len(self.lengths)
-        return [p + n for n, p in zip(self.lengths, starts)]
+        return [p + n for n, p in zip(self.lengths, self.prefixes())]
 
 
 def attention_class(length: int, heads: int, head_dim: int, sms: int) -> tuple:
@@ -214,17 +217,18 @@ class OwnCalls:
     buffer: object = None       # [heads, tokens, dim]: each prefix row's call's queries, one after another
 
     def _build(self, layout, width: int, device):
-        """(rows of direct calls with their buffer start, rows of longer calls, buffer tokens, query
-        gather and scatter index, output index), the indices on the device."""
+        """(rows of direct calls: row, tokens, prefix, buffer start; rows of longer calls: row, tokens,
+        prefix, call; buffer tokens; query gather and scatter index; output index), the indices on the
+        device."""
         import torch
 
-        starts, calls = layout.starts or (0,) * len(layout.lengths), layout.call_lengths()
+        starts, calls = layout.prefixes(), layout.call_lengths()
         direct, longer, total = [], [], 0
         q_src, q_dst, o_idx = [], [], []
         for j in self.rows:
             n, p, c = layout.lengths[j], starts[j], calls[j]
             if c > p + n:
-                longer.append(j)
+                longer.append((j, n, p, c))
                 continue
             direct.append((j, n, p, total))
             o_idx.append(torch.arange(j * width, j * width + n))
@@ -267,11 +271,9 @@ class OwnCalls:
                 parts.append(inner(module, q, k, v, None, **kwargs)[0][0, p:].transpose(0, 1))
         if parts:
             out.view(rows * width, heads, out.shape[-1]).index_copy_(0, o_idx, torch.cat(parts, 1).transpose(0, 1))
-        starts, calls = layout.starts or (0,) * len(layout.lengths), layout.call_lengths()
-        for j in longer:
-            n, p = layout.lengths[j], starts[j]
+        for j, n, p, c in longer:
             q, k, v = query[j:j + 1, :, :n], key[j:j + 1, :, off - p: off + n], value[j:j + 1, :, off - p: off + n]
-            out[j:j + 1, :n] = attend_after_prefix(inner, module, q, k, v, p, call=calls[j], **kwargs)
+            out[j:j + 1, :n] = attend_after_prefix(inner, module, q, k, v, p, call=c, **kwargs)
 
 
 def _flash_is_chosen(q, k, v, scale) -> bool:
@@ -328,7 +330,8 @@ class PackedRows:
         import torch
 
         rows = list(range(len(layout.lengths))) if rows is None else rows
-        starts = [(layout.starts or (0,) * len(layout.lengths))[j] for j in rows]
+        prefixes = layout.prefixes()
+        starts = [prefixes[j] for j in rows]
         lengths = [layout.lengths[j] for j in rows]
         off = layout.offset
         q_rows, q_pos, k_rows, k_pos = [], [], [], []
@@ -410,7 +413,7 @@ class BatchedRows:
     def build(cls, layout: PaddedLayout, rows: list[int], width_q: int, device) -> "BatchedRows":
         import torch
 
-        starts = layout.starts or (0,) * len(layout.lengths)
+        starts = layout.prefixes()
         calls = layout.call_lengths()
         width = max(calls[j] for j in rows)
         t = torch.arange(width)[None, :]
