@@ -1,6 +1,6 @@
 """benchmarks/experiments/prefix_reuse_profile.py on the CPU: the padded path and prefix reuse over a
 synthetic set of option groups, steps as the server forms them, and the sweep of the cost one more
-forward is counted as (on a GPU the same script wrote results_h100/prefix_reuse/f8f0032/)."""
+forward is counted as, and the host profile (on a GPU the same script wrote results_h100/prefix_reuse/f8f0032/)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def test_a_forward_cost_sweep_cuts_the_same_rows_into_more_or_fewer_forwards(ove
                            str(tmp_path / "set.tokens.jsonl"), "--out", str(out), "--device", "cpu",
                            "--modes", "padded,prefix_flushed,prefix_warm", "--passes", "1", "--no-profile",
                            "--batch", "8", "--workers", "2", "--max-rows", "4", "--step-tokens", "4096",
-                           "--forward-costs", "1,100000"],
+                           "--forward-costs", "1,100000", "--host-profile"],
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -42,6 +42,10 @@ def test_a_forward_cost_sweep_cuts_the_same_rows_into_more_or_fewer_forwards(ove
     for name, m in modes.items():
         if name != "padded":  # against the padded path's logits: float32 rounding on the CPU
             assert m["max_abs_dp_e"] < 1e-5 and m["argmax_changes"] == 0, (name, m)
+    for name in ("flushed", "warm"):  # the host's time by Python function, the steps' own code among it
+        text = (out / f"host_profile_{name}.txt").read_text()
+        assert res[f"host_profile_{name}"]["calls"] > 0 and "# callers of the synchronising methods" in text
+        assert "(run_step)" in text and "(forward)" in text, text[:2000]
 
 
 def test_a_malformed_forward_cost_list_is_one_line_before_any_work(tmp_path):

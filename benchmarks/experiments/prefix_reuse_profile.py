@@ -12,7 +12,8 @@ step token budget, a prefix-reuse row costing what it computes), without HTTP.
 Each mode: one untimed pass, then --passes timed passes (device synchronized), tokens the forwards
 ran, and against the padded path's logits the largest entailment-probability difference and argmax
 changes. Then torch.profiler tables of one flushed and one warm pass, with the prefix path's phases
-(openjev.prefix.shared/body/tail, cache_build, states) and the device's busy share of the wall time.
+(openjev.prefix.shared/body/tail, cache_build, states) and the device's busy share of the wall time;
+with --host-profile, cProfile of one flushed and one warm pass (the host's time by Python function).
 With --divergence-rows: those rows' exact forwards against the prefix path's two forwards (the
 prefix up to the last chunk boundary, keeping states, then the tail from them), module by module
 (projections, GDN core and attention outputs, mixers, MLPs, layers) in execution order, so the
@@ -66,6 +67,9 @@ def build_parser():
                         "forwards (default: the engine's PREFIX_FORWARD_COST_TOKENS); each value runs the prefix modes "
                         "again, named MODE@VALUE")
     p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--host-profile", action="store_true",
+                   help="also cProfile one flushed and one warm pass (host_profile_flushed.txt, host_profile_warm.txt): "
+                        "the host's time by Python function, and who called the device-synchronising methods")
     p.add_argument("--divergence-rows", default="", help="comma list of row indices for the module comparison")
     return p
 
@@ -146,6 +150,37 @@ def server_steps(rows, batch: int, workers: int, budget: int, cost=len):
             if queue:
                 pending.append(queue.pop(0))
         pending = [j for j in pending if j.cursor < len(j.rows)]
+
+
+# Tensor methods that wait for the device (or copy from the host) when called on device tensors.
+SYNCING = r"method '(cpu|item|tolist|to|nonzero|numpy)' of 'torch._C.TensorBase'|built-in method (tensor|as_tensor) "
+
+
+def host_profile(fn, device, path) -> dict:
+    """cProfile of `fn` (the host's time by Python function): the top functions by own time and by
+    cumulative time, and the callers of the methods that synchronise with the device."""
+    import cProfile
+    import io
+    import pstats
+
+    sync(device)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    fn()
+    sync(device)
+    prof.disable()
+    wall = time.perf_counter() - t0
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    buf.write(f"# wall {wall:.4f} s under cProfile\n# by own time\n")
+    stats.sort_stats("tottime").print_stats(45)
+    buf.write("# by cumulative time\n")
+    stats.sort_stats("cumulative").print_stats(45)
+    buf.write("# callers of the synchronising methods\n")
+    stats.print_callers(SYNCING)
+    path.write_text(buf.getvalue())
+    return {"wall_s": round(wall, 4), "calls": stats.total_calls}
 
 
 def run_pass(step_fn, rows, steps, device):
@@ -235,6 +270,16 @@ def main() -> int:
             res[f"profile_prefix_{name}"] = summary
             print(name, "device busy", summary.get("device_us_total"), "of wall", summary["wall_us"], flush=True)
         res["prefix_cache"] = eng.cache.stats()
+    if args.host_profile:
+        eng = engines["prefix_flushed"]
+        for name, flush in (("flushed", True), ("warm", False)):
+            if flush:
+                eng.cache.clear()
+            planned = server_steps(rows, args.batch, args.workers, args.step_tokens, eng.step_tokens)
+            res[f"host_profile_{name}"] = host_profile(
+                lambda: [eng.run_step([rows[i] for i in s], args.max_rows) for s in planned], args.device,
+                args.out / f"host_profile_{name}.txt")
+            print(name, "host profile", res[f"host_profile_{name}"], flush=True)
     if args.divergence_rows:
         picks = [int(i) for i in args.divergence_rows.split(",")]
         res["divergence"] = divergence(clf, engines["prefix_nocache"].forwards, rows, picks)
