@@ -46,6 +46,7 @@ def test_a_forward_cost_sweep_cuts_the_same_rows_into_more_or_fewer_forwards(ove
         text = (out / f"host_profile_{name}.txt").read_text()
         assert res[f"host_profile_{name}"]["calls"] > 0 and "# callers of the synchronising methods" in text
         assert "(run_step)" in text and "(forward)" in text, text[:2000]
+        assert (out / f"device_syncs_{name}.txt").read_text() == "# cpu: no device to wait for\n"
 
 
 def test_a_malformed_forward_cost_list_is_one_line_before_any_work(tmp_path):

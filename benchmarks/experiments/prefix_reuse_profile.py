@@ -29,6 +29,7 @@ import json
 import statistics
 import sys
 import time
+from collections import Counter
 from types import SimpleNamespace
 
 import numpy as np
@@ -69,7 +70,8 @@ def build_parser():
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--host-profile", action="store_true",
                    help="also cProfile one flushed and one warm pass (host_profile_flushed.txt, host_profile_warm.txt): "
-                        "the host's time by Python function, and who called the device-synchronising methods")
+                        "the host's time by Python function, and who called the device-synchronising methods; and the "
+                        "Python stacks of every operation that waits for the device (device_syncs_flushed.txt, ...)")
     p.add_argument("--divergence-rows", default="", help="comma list of row indices for the module comparison")
     return p
 
@@ -183,6 +185,40 @@ def host_profile(fn, device, path) -> dict:
     return {"wall_s": round(wall, 4), "calls": stats.total_calls}
 
 
+def device_syncs(fn, device, path) -> dict:
+    """Every operation of `fn` that makes the host wait for the device (torch.cuda's sync debug mode),
+    by the Python stack that called it, most frequent first; on a CPU there are none to find."""
+    import traceback
+    import warnings
+
+    if not str(device).startswith("cuda"):
+        path.write_text(f"# {device}: no device to wait for\n")
+        return {"syncs": None}
+    import torch
+
+    found = Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "/warnings.py" not in f.filename]
+        found[(str(message).splitlines()[0], "".join(traceback.format_list(frames[-8:])))] += 1
+
+    sync(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sync(device)
+    text = [f"# {sum(found.values())} synchronising operations, {len(found)} call sites"]
+    for (message, stack), n in found.most_common():
+        text += [f"## {n} x {message}", stack]
+    path.write_text("\n".join(text) + "\n")
+    return {"syncs": sum(found.values()), "sites": len(found)}
+
+
 def run_pass(step_fn, rows, steps, device):
     logits = np.empty((len(rows), 3), dtype=np.float32)
     computed = padded = forwards = count = 0
@@ -279,6 +315,12 @@ def main() -> int:
             res[f"host_profile_{name}"] = host_profile(
                 lambda: [eng.run_step([rows[i] for i in s], args.max_rows) for s in planned], args.device,
                 args.out / f"host_profile_{name}.txt")
+            if flush:
+                eng.cache.clear()
+            planned = server_steps(rows, args.batch, args.workers, args.step_tokens, eng.step_tokens)
+            res[f"host_profile_{name}"].update(device_syncs(
+                lambda: [eng.run_step([rows[i] for i in s], args.max_rows) for s in planned], args.device,
+                args.out / f"device_syncs_{name}.txt"))
             print(name, "host profile", res[f"host_profile_{name}"], flush=True)
     if args.divergence_rows:
         picks = [int(i) for i in args.divergence_rows.split(",")]
