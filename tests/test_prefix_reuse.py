@@ -198,6 +198,33 @@ def test_a_warm_steps_tails_run_in_one_forward_of_up_to_128_rows(clf):
     assert warm.computed_tokens == tails(rows) and warm.forwards == 1
 
 
+def test_a_cold_step_runs_its_shared_prefixes_beside_the_rows_that_do_not_go_on_from_them(clf, monkeypatch):
+    """A step's shared prefixes run in the forwards of the rows that do not continue them (here two
+    rows with no sibling, of about the prefix's length), then the continuations in forwards of their
+    own: two forwards, where running the prefixes first and every row after took three (the long rows
+    and the short continuations too unlike to share a forward). The same logits as the exact forward."""
+    from openjev.engine.classifier import score_exact
+    from openjev.engine.prefix import PrefixEngine
+
+    rng = random.Random(11)
+
+    def toks(n):
+        return [rng.randrange(3, clf.vocab_size) for _ in range(n)]
+
+    premise = toks(256)
+    rows = [premise + toks(rng.randrange(10, 40)) for _ in range(40)] + [toks(300), toks(290)]
+    engine = PrefixEngine(clf, 64 << 20, min_tokens=16)
+    forwards = []
+    run = engine.forwards.run
+    monkeypatch.setattr(engine.forwards, "run",
+                        lambda items, *a: forwards.append(sorted(len(t) for _, t, _ in items)) or run(items, *a))
+    cold = engine.run_step(rows, max_rows=8)
+    assert np.abs(cold.logits - score_exact(clf, rows)).max() <= TOL
+    assert cold.forwards == len(forwards) == 2
+    assert forwards[0] == [256, 290, 300]  # the prefix and the two rows without a sibling
+    assert len(forwards[1]) == 40 and max(forwards[1]) < 40  # each continuation after the prefix
+
+
 def test_prefix_path_under_a_small_budget_and_rows_ending_in_the_pad_id(clf):
     """Evictions leave the answers unchanged; a row ending in the pad id runs whole, so the pooled token
     is the exact forward's (its rightmost non-pad token)."""

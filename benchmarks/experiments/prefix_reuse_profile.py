@@ -12,7 +12,7 @@ step token budget, a prefix-reuse row costing what it computes), without HTTP.
 Each mode: one untimed pass, then --passes timed passes (device synchronized), tokens the forwards
 ran, and against the padded path's logits the largest entailment-probability difference and argmax
 changes. Then torch.profiler tables of one flushed and one warm pass, with the prefix path's phases
-(openjev.prefix.shared/body/tail, cache_build, states) and the device's busy share of the wall time;
+(openjev.prefix.body/continued/tail, cache_build, states) and the device's busy share of the wall time;
 with --host-profile, cProfile of one flushed and one warm pass (the host's time by Python function).
 With --divergence-rows: those rows' exact forwards against the prefix path's two forwards (the
 prefix up to the last chunk boundary, keeping states, then the tail from them), module by module

@@ -15,8 +15,8 @@ GPU, FlashAttention splits the keys of a short row's call by the row's length). 
 agreement goal applies; the default path stays the exact one.
 
 A step: (1) every row looks up the longest cached prefix of itself; (2) rows of the step that share
-at least `min_tokens` tokens beyond that run the shared part once; (3) each row runs from its best
-state to its end, and where that passes its last chunk boundary (a multiple of 64 tokens) the state
+at least `min_tokens` tokens beyond that run the shared part once, in the forwards of the rows that
+do not go on from it; (3) each row runs from its best state to its end, and where that passes its last chunk boundary (a multiple of 64 tokens) the state
 there is cached: the GDN rule runs to the boundary, then the rest (at most a chunk) from the state it
 kept, as a later forward from the cached state would. Every state sits on a chunk
 boundary of the GDN kernels, so the chunks a continuation runs are those of the exact forward."""
@@ -551,30 +551,50 @@ class PrefixEngine:
         prefixes: dict[bytes, tuple[int, int]] = {}  # key -> (a row holding it, its length)
         for i, length in shared.items():
             prefixes.setdefault(keys[i], (i, length))
-        if prefixes:
-            plan = list(prefixes.values())  # each from its row's cached state, shorter than the prefix
-            items = [(best[i], rows[i][have(i):length], len(rows[i])) for i, length in plan]
-            _, states = forward("shared", items, True)
-            made = dict(zip(prefixes, states))
-            if self.cache is not None:
-                for (i, length), st in zip(plan, states):
-                    self.cache.put(arrays[i][:length], st, groups[i])
-            for i in shared:
-                best[i] = made[keys[i]]
+        plan = list(prefixes.values())  # each from its row's cached state, shorter than the prefix
         if self.cache is None:
+            if plan:
+                _, states = forward("shared", [(best[i], rows[i][have(i):length], len(rows[i])) for i, length in plan],
+                                    True)
+                made = dict(zip(prefixes, states))
+                for i in shared:
+                    best[i] = made[keys[i]]
             out, _ = forward("rows", [(best[i], rows[i][have(i):], len(rows[i])) for i in range(n)], False)
         else:
             # every row runs from its best state to its end; a row short of its last chunk boundary
-            # keeps the state there. Where no row is, the step is tails only (at most a chunk a row).
-            body = [i for i in range(n) if have(i) < limits[i]]
-            items = [(best[i], rows[i][have(i):], len(rows[i])) for i in range(n)]
-            if body:
-                keep = [limits[i] - have(i) if have(i) < limits[i] else None for i in range(n)]
-                out, states = forward("body", items, False, keep)
-                for i in body:
-                    self.cache.put(arrays[i][:limits[i]], states[i], groups[i])
-            else:
-                out, _ = forward("tail", items, False)
+            # keeps the state there. Where no row keeps a state, the step is tails only (at most a
+            # chunk a row).
+            out = [None] * n
+
+            def keep(i: int):  # tokens of row i to run before the state it keeps, from its best state
+                return limits[i] - have(i) if have(i) < limits[i] else None
+
+            def run(phase, now, plan=()):
+                """The prefixes `plan` (each keeping the state at its end) and the rows `now` (from their
+                best states to their ends) in one set of forwards cut by length: the rows' logits to
+                `out`, every kept state to the cache; the prefixes' states returned."""
+                items = [(best[i], rows[i][have(i):length], len(rows[i])) for i, length in plan]
+                items += [(best[i], rows[i][have(i):], len(rows[i])) for i in now]
+                marks = [length - have(i) for i, length in plan] + [keep(i) for i in now]
+                if not items:
+                    return []
+                if any(m is not None for m in marks):
+                    logits, states = forward(phase, items, False, marks)
+                else:
+                    logits, states = forward("tail", items, False)
+                for (i, length), st in zip(plan, states):
+                    self.cache.put(arrays[i][:length], st, groups[i])
+                for k, i in enumerate(now, len(plan)):
+                    out[i] = logits[k]
+                    if marks[k] is not None:
+                        self.cache.put(arrays[i][:limits[i]], states[k], groups[i])
+                return states[:len(plan)]
+
+            # the shared prefixes run beside the rows that do not go on from them, then the rows that do
+            made = dict(zip(prefixes, run("body", [i for i in range(n) if i not in shared], plan)))
+            for i in shared:
+                best[i] = made[keys[i]]
+            run("continued", sorted(shared))
         with torch.inference_mode():
             logits = torch.stack(out).float().cpu().numpy().astype(np.float32, copy=False)
         return StepResult(logits, stats["forwards"], stats["computed"], stats["padded"],
