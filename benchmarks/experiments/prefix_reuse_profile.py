@@ -295,34 +295,28 @@ def main() -> int:
         print(name, json.dumps({k: v for k, v in m.items() if k != "passes"}), out[-1], flush=True)
     for eng in engines.values():
         eng.forward_cost = engine_cost
+    eng = engines["prefix_flushed"]
+
+    def one_pass(flush: bool):
+        """A pass of the prefix path as the server forms its steps, the cache emptied first if `flush`."""
+        if flush:
+            eng.cache.clear()
+        planned = server_steps(rows, args.batch, args.workers, args.step_tokens, eng.step_tokens)
+        return lambda: [eng.run_step([rows[i] for i in s], args.max_rows) for s in planned]
+
     if not args.no_profile:
-        eng = engines["prefix_flushed"]
         for name, flush in (("flushed", True), ("warm", False)):
-            if flush:
-                eng.cache.clear()
             t0 = time.perf_counter()
-            planned = server_steps(rows, args.batch, args.workers, args.step_tokens, eng.step_tokens)
-            summary = prof_tables(lambda: [eng.run_step([rows[i] for i in s], args.max_rows) for s in planned],
-                                  args.device, args.out / f"profile_prefix_{name}.txt", rows=40)
+            summary = prof_tables(one_pass(flush), args.device, args.out / f"profile_prefix_{name}.txt", rows=40)
             summary["wall_us"] = round((time.perf_counter() - t0) * 1e6)
             res[f"profile_prefix_{name}"] = summary
             print(name, "device busy", summary.get("device_us_total"), "of wall", summary["wall_us"], flush=True)
         res["prefix_cache"] = eng.cache.stats()
     if args.host_profile:
-        eng = engines["prefix_flushed"]
         for name, flush in (("flushed", True), ("warm", False)):
-            if flush:
-                eng.cache.clear()
-            planned = server_steps(rows, args.batch, args.workers, args.step_tokens, eng.step_tokens)
-            res[f"host_profile_{name}"] = host_profile(
-                lambda: [eng.run_step([rows[i] for i in s], args.max_rows) for s in planned], args.device,
-                args.out / f"host_profile_{name}.txt")
-            if flush:
-                eng.cache.clear()
-            planned = server_steps(rows, args.batch, args.workers, args.step_tokens, eng.step_tokens)
-            res[f"host_profile_{name}"].update(device_syncs(
-                lambda: [eng.run_step([rows[i] for i in s], args.max_rows) for s in planned], args.device,
-                args.out / f"device_syncs_{name}.txt"))
+            res[f"host_profile_{name}"] = host_profile(one_pass(flush), args.device, args.out / f"host_profile_{name}.txt")
+            res[f"host_profile_{name}"].update(
+                device_syncs(one_pass(flush), args.device, args.out / f"device_syncs_{name}.txt"))
             print(name, "host profile", res[f"host_profile_{name}"], flush=True)
     if args.divergence_rows:
         picks = [int(i) for i in args.divergence_rows.split(",")]

@@ -16,10 +16,11 @@ agreement goal applies; the default path stays the exact one.
 
 A step: (1) every row looks up the longest cached prefix of itself; (2) rows of the step that share
 at least `min_tokens` tokens beyond that run the shared part once, in the forwards of the rows that
-do not go on from it; (3) each row runs from its best state to its end, and where that passes its last chunk boundary (a multiple of 64 tokens) the state
-there is cached: the GDN rule runs to the boundary, then the rest (at most a chunk) from the state it
-kept, as a later forward from the cached state would. Every state sits on a chunk
-boundary of the GDN kernels, so the chunks a continuation runs are those of the exact forward."""
+do not go on from it; (3) each row runs from its best state to its end, and where that passes its
+last chunk boundary (a multiple of 64 tokens) the state there is cached: the GDN rule runs to the
+boundary, then the rest (at most a chunk) from the state it kept, as a later forward from the cached
+state would. Every state sits on a chunk boundary of the GDN kernels, so the chunks a continuation
+runs are those of the exact forward."""
 
 from __future__ import annotations
 
