@@ -78,24 +78,19 @@ if triton is not None:
         # accumulators a_i over j = 0, 1, ... of elements 4t + i + 128j; the lane's value is
         # ((a_0 + a_1) + a_2) + a_3; the warp adds lane t + 16 to lane t, then t + 8, 4, 2, 1
         # (shfl_down from the high offset); the mean is sum * factor (float32 of 1/N, MeanOps).
+        # Each step loads 128 contiguous elements a row as [ROWS, 32, 4] (lane t's elements 4t..4t+3):
+        # a_i is [..., i] of one [ROWS, 32, 4] accumulator.
         r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         rm = r < rows
-        lane = tl.arange(0, 32)
-        base = X + r[:, None] * N
-        a0 = tl.zeros([ROWS, 32], dtype=tl.float32)
-        a1 = tl.zeros([ROWS, 32], dtype=tl.float32)
-        a2 = tl.zeros([ROWS, 32], dtype=tl.float32)
-        a3 = tl.zeros([ROWS, 32], dtype=tl.float32)
+        within = 4 * tl.arange(0, 32)[:, None] + tl.arange(0, 4)[None, :]  # [32, 4]: 4t + i
+        base = X + r[:, None, None] * N + within[None, :, :]
+        acc = tl.zeros([ROWS, 32, 4], dtype=tl.float32)
         for j in tl.static_range(N // 128):
-            p = base + (4 * lane + 128 * j)[None, :]
-            x0 = tl.load(p, mask=rm[:, None], other=0.0).to(tl.float32)
-            x1 = tl.load(p + 1, mask=rm[:, None], other=0.0).to(tl.float32)
-            x2 = tl.load(p + 2, mask=rm[:, None], other=0.0).to(tl.float32)
-            x3 = tl.load(p + 3, mask=rm[:, None], other=0.0).to(tl.float32)
-            a0 += x0 * x0
-            a1 += x1 * x1
-            a2 += x2 * x2
-            a3 += x3 * x3
+            x = tl.load(base + 128 * j, mask=rm[:, None, None], other=0.0).to(tl.float32)
+            acc += x * x
+        even, odd = tl.split(tl.reshape(acc, [ROWS, 32, 2, 2]))  # i = 2p + q: q = 0 gives a_0, a_2
+        a0, a2 = tl.split(even)
+        a1, a3 = tl.split(odd)
         v = ((a0 + a1) + a2) + a3
         v = _add_halves(v, ROWS, 16)  # lane t + lane t+16, t < 16
         v = _add_halves(v, ROWS, 8)
@@ -184,31 +179,44 @@ if triton is not None:
 
     @triton.jit
     def _conv_silu_state_kernel(X, S, W, Y, length, channels, state_len, sxb, sxt, sxc, ssb, ssc, sst,
-                                K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+                                K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, WIDE: tl.constexpr):
         # _conv_silu_strided_kernel's arithmetic on the prefix state S [batch, channels, state_len] followed
         # by the new inputs X [batch, length, channels] (any strides), without concatenating them:
-        # a tap before the first new input reads the state's last columns; Y [batch, length, channels]
+        # a tap before the first new input reads the state's last columns; Y [batch, length, channels].
+        # Only the first tile of a row reaches into the state; the others read X alone, their
+        # offsets formed once (within a row in int32 unless WIDE, the row's base in int64).
         tiles = tl.cdiv(length, BLOCK_T)
         b = (tl.program_id(0) // tiles).to(tl.int64)
-        t = (tl.program_id(0) % tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
+        t0 = (tl.program_id(0) % tiles) * BLOCK_T
+        t = t0 + tl.arange(0, BLOCK_T)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         tm, cm = t < length, c < channels
-        cc = c[None, :].to(tl.int64)
+        if WIDE:
+            t, c = t.to(tl.int64), c.to(tl.int64)
+        m = tm[:, None] & cm[None, :]
         acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-        for k in tl.static_range(K):
-            src = t - (K - 1 - k)
-            from_x = (tm & (src >= 0))[:, None] & cm[None, :]
-            from_s = (tm & (src < 0))[:, None] & cm[None, :]
-            xs = tl.load(X + b * sxb + tl.maximum(src, 0)[:, None].to(tl.int64) * sxt + cc * sxc,
-                         mask=from_x, other=0.0)
-            ss = tl.load(S + b * ssb + cc * ssc + (state_len + tl.minimum(src, -1))[:, None].to(tl.int64) * sst,
-                         mask=from_s, other=0.0)
-            x = tl.where(from_s, ss, xs).to(tl.float32)
-            w = tl.load(W + c * K + k, mask=cm, other=0.0).to(tl.float32)
-            acc = tl.fma(w[None, :], x, acc)
+        if t0 >= K - 1:
+            x_at = X + b * sxb + (t[:, None] * sxt + c[None, :] * sxc)
+            for k in tl.static_range(K):
+                x = tl.load(x_at - (K - 1 - k) * sxt, mask=m, other=0.0).to(tl.float32)
+                w = tl.load(W + c * K + k, mask=cm, other=0.0).to(tl.float32)
+                acc = tl.fma(w[None, :], x, acc)
+        else:
+            cc = c[None, :].to(tl.int64)
+            for k in tl.static_range(K):
+                src = t - (K - 1 - k)
+                from_x = (tm & (src >= 0))[:, None] & cm[None, :]
+                from_s = (tm & (src < 0))[:, None] & cm[None, :]
+                xs = tl.load(X + b * sxb + tl.maximum(src, 0)[:, None].to(tl.int64) * sxt + cc * sxc,
+                             mask=from_x, other=0.0)
+                ss = tl.load(S + b * ssb + cc * ssc + (state_len + tl.minimum(src, -1))[:, None].to(tl.int64) * sst,
+                             mask=from_s, other=0.0)
+                x = tl.where(from_s, ss, xs).to(tl.float32)
+                w = tl.load(W + c * K + k, mask=cm, other=0.0).to(tl.float32)
+                acc = tl.fma(w[None, :], x, acc)
         y = acc.to(Y.dtype.element_ty).to(tl.float32)
-        out = (b * length + t[:, None].to(tl.int64)) * channels + c[None, :]
-        tl.store(Y + out, _silu_f32(y).to(Y.dtype.element_ty), mask=tm[:, None] & cm[None, :])
+        out = Y + b * length * channels + (t[:, None] * channels + c[None, :])
+        tl.store(out, _silu_f32(y).to(Y.dtype.element_ty), mask=m)
 
 
 def _grid(n: int):
@@ -270,6 +278,9 @@ def swiglu(g, u):
     return y
 
 
+CONV_STATE_BLOCK = (32, 64)  # (positions, channels) a program of the state kernel
+
+
 def conv_silu_blc(x, w, state=None):
     """x [B, L, C] (any strides), w [C, K] -> silu(causal depthwise conv) as [B, L, C] contiguous. With
     `state` [B, C, S] (S >= K - 1, any strides), the inputs before x's first are the state's last
@@ -279,10 +290,11 @@ def conv_silu_blc(x, w, state=None):
     b, length, channels = x.shape
     y = torch.empty((b, length, channels), dtype=x.dtype, device=x.device)
     if state is not None:
-        block_t, block_c = 32, 64
+        block_t, block_c = CONV_STATE_BLOCK
+        wide = max(length * max(abs(x.stride(1)), channels), channels * abs(x.stride(2))) >= 2**31 - 2**20
         _conv_silu_state_kernel[(b * triton.cdiv(length, block_t), triton.cdiv(channels, block_c))](
             x, state, w.contiguous(), y, length, channels, state.shape[-1], *x.stride(), *state.stride(),
-            K=w.shape[-1], BLOCK_T=block_t, BLOCK_C=block_c)
+            K=w.shape[-1], BLOCK_T=block_t, BLOCK_C=block_c, WIDE=wide)
         return y
     if x.is_contiguous():
         block_c = 256
