@@ -225,6 +225,23 @@ def test_a_cold_step_runs_its_shared_prefixes_beside_the_rows_that_do_not_go_on_
     assert len(forwards[1]) == 40 and max(forwards[1]) < 40  # each continuation after the prefix
 
 
+def test_tail_forwards_are_cut_at_their_own_forward_cost(clf, monkeypatch):
+    """A cheap forward cuts a cold step's rows into many forwards; the warm step's tails (a chunk a row
+    at most) are cut at the tail phase's cost, here one forward for all of them."""
+    from openjev.engine.classifier import score_exact
+    from openjev.engine.prefix import PrefixEngine
+
+    rng = random.Random(12)
+    rows = [[rng.randrange(3, clf.vocab_size) for _ in range(rng.randrange(70, 400))] for _ in range(12)]
+    engine = PrefixEngine(clf, 64 << 20, min_tokens=16)
+    engine.forward_cost, engine.tail_forward_cost = 1, 10**6
+    cold = engine.run_step(rows, max_rows=16)
+    warm = engine.run_step(rows, max_rows=16)
+    assert cold.forwards > 4 and warm.forwards == 1, (cold.forwards, warm.forwards)
+    ref = score_exact(clf, rows)
+    assert max(np.abs(cold.logits - ref).max(), np.abs(warm.logits - ref).max()) <= TOL
+
+
 def test_prefix_path_under_a_small_budget_and_rows_ending_in_the_pad_id(clf):
     """Evictions leave the answers unchanged; a row ending in the pad id runs whole, so the pooled token
     is the exact forward's (its rightmost non-pad token)."""

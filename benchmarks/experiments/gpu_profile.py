@@ -109,12 +109,23 @@ def time_padded_passes(clf, rows, groups, passes, device):
 RANGE_PREFIX = "openjev."
 
 
-def prof_tables(fn, device, path: Path, rows=30):
+STACK_FRAMES = 6  # frames of the calling Python stack that group the operators in prof_tables' stack table
+
+
+def prof_tables(fn, device, path: Path, rows=30, stack_rows=0):
+    """torch.profiler tables of `fn` by operator (self CPU time, self device time) into `path`; with
+    `stack_rows`, also that many rows of operators grouped by the Python stack that called them (the
+    last STACK_FRAMES frames), by self device time (self CPU time on a CPU). Returns a summary."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    sort = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
     sync(device)
-    with profile(activities=acts) as prof:
+    # stacks reach the events only with the verbose experimental config (torch 2.11-2.13)
+    extra = {"with_stack": True, "experimental_config": torch._C._profiler._ExperimentalConfig(verbose=True)} \
+        if stack_rows else {}
+    with profile(activities=acts, **extra) as prof:
         fn()
         sync(device)
     ka = prof.key_averages()
@@ -122,6 +133,10 @@ def prof_tables(fn, device, path: Path, rows=30):
     if device.startswith("cuda"):
         text += ["# sorted by self device time", ka.table(sort_by="self_cuda_time_total", row_limit=rows,
                                                              max_name_column_width=70)]
+    if stack_rows:
+        by_stack = prof.key_averages(group_by_stack_n=STACK_FRAMES)
+        text += [f"# by calling Python stack ({STACK_FRAMES} frames), sorted by {sort}",
+                 by_stack.table(sort_by=sort, row_limit=stack_rows, max_name_column_width=70)]
     path.write_text("\n".join(text))
     summary = {"events": len(ka)}
     if device.startswith("cuda"):

@@ -65,9 +65,11 @@ def build_parser():
                         "PREFIX_FORWARD_ROWS and PREFIX_TAIL_FORWARD_ROWS)")
     p.add_argument("--forward-costs", type=positive_ints, default=[],
                    help="comma list of padded tokens one more forward is counted as when a phase's rows are cut into "
-                        "forwards (default: the engine's PREFIX_FORWARD_COST_TOKENS); each value runs the prefix modes "
-                        "again, named MODE@VALUE")
+                        "forwards, tail phases apart (default: the engine's PREFIX_FORWARD_COST_TOKENS); each value runs "
+                        "the prefix modes again, named MODE@VALUE")
     p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--stacks", type=int, default=0, metavar="ROWS",
+                   help="add to the profile tables ROWS rows of operators grouped by the Python stack that called them")
     p.add_argument("--host-profile", action="store_true",
                    help="also cProfile one flushed and one warm pass (host_profile_flushed.txt, host_profile_warm.txt): "
                         "the host's time by Python function, and who called the device-synchronising methods; and the "
@@ -265,6 +267,7 @@ def main() -> int:
     engine_cost = prefix.PREFIX_FORWARD_COST_TOKENS  # the profile and the module comparison run with it
     costs = args.forward_costs or [engine_cost]
     res["prefix_forward_cost_tokens"] = engine_cost
+    res["prefix_tail_forward_cost_tokens"] = prefix.PREFIX_TAIL_FORWARD_COST_TOKENS
     runs = [(m, None) for m in args.modes.split(",") if m == "padded"] + [
         (m, c) for c in costs for m in args.modes.split(",") if m != "padded"]
     for mode, cost_tokens in runs:
@@ -307,7 +310,8 @@ def main() -> int:
     if not args.no_profile:
         for name, flush in (("flushed", True), ("warm", False)):
             t0 = time.perf_counter()
-            summary = prof_tables(one_pass(flush), args.device, args.out / f"profile_prefix_{name}.txt", rows=40)
+            summary = prof_tables(one_pass(flush), args.device, args.out / f"profile_prefix_{name}.txt", rows=40,
+                                  stack_rows=args.stacks)
             summary["wall_us"] = round((time.perf_counter() - t0) * 1e6)
             res[f"profile_prefix_{name}"] = summary
             print(name, "device busy", summary.get("device_us_total"), "of wall", summary["wall_us"], flush=True)

@@ -58,6 +58,9 @@ PREFIX_TAIL_FORWARD_ROWS = 128
 # but slower through the server in the next lease (a warm step of two forwards 425-533 ms against one
 # of 258-417 ms; results_h100/prefix_reuse/README.md).
 PREFIX_FORWARD_COST_TOKENS = 4096
+# The same for tail forwards (rows from their states to their ends, at most a chunk a row), set apart
+# so that the other phases' cost can change without splitting a warm step's tails.
+PREFIX_TAIL_FORWARD_COST_TOKENS = 4096
 
 
 @dataclass
@@ -490,6 +493,7 @@ class PrefixEngine:
         self.cache = PrefixCache(budget_bytes) if budget_bytes > 0 else None
         self.min_tokens = min_tokens
         self.forward_cost = PREFIX_FORWARD_COST_TOKENS  # padded tokens one more forward is counted as
+        self.tail_forward_cost = PREFIX_TAIL_FORWARD_COST_TOKENS  # ... in a tail phase
         self.classes = attention_classes(clf.device, self.forwards.text.num_attention_heads, self.forwards.head_dim)
 
     def group(self, row) -> bytes:
@@ -532,8 +536,10 @@ class PrefixEngine:
 
         def forward(phase, items, want_states, keep=None):
             logits_all, states_all = [None] * len(items), [None] * len(items)
-            rows_cap = max(max_rows, PREFIX_TAIL_FORWARD_ROWS if phase == "tail" else PREFIX_FORWARD_ROWS)
-            for idx in length_groups([len(t) for _, t, _ in items], rows_cap, self.forward_cost):
+            tail = phase == "tail"
+            rows_cap = max(max_rows, PREFIX_TAIL_FORWARD_ROWS if tail else PREFIX_FORWARD_ROWS)
+            cost = self.tail_forward_cost if tail else self.forward_cost
+            for idx in length_groups([len(t) for _, t, _ in items], rows_cap, cost):
                 group = [items[i] for i in idx]
                 with torch.profiler.record_function(f"openjev.prefix.{phase}"):
                     logits, states = self.forwards.run(group, want_states, [keep[i] for i in idx] if keep else None)
