@@ -225,6 +225,33 @@ def test_a_cold_step_runs_its_shared_prefixes_beside_the_rows_that_do_not_go_on_
     assert len(forwards[1]) == 40 and max(forwards[1]) < 40  # each continuation after the prefix
 
 
+def test_a_rows_cached_prefix_is_looked_up_once_while_the_cache_is_unchanged(clf, monkeypatch):
+    """The scheduler asks for a row's cost while it waits and as it plans, and the step looks the row up
+    again: one search of the cache a row while nothing comes or goes; a state put in between is found."""
+    from openjev.engine.prefix import PrefixEngine
+
+    rng = random.Random(13)
+    rows = [[rng.randrange(3, clf.vocab_size) for _ in range(rng.randrange(140, 300))] for _ in range(6)]
+    engine = PrefixEngine(clf, 64 << 20, min_tokens=16)
+    engine.run_step(rows, max_rows=8)  # every row keeps a state
+    searched = []
+    find = engine.cache.find
+    monkeypatch.setattr(engine.cache, "find", lambda row, *a: searched.append(len(row)) or find(row, *a))
+    later = [list(r) for r in rows]  # the same tokens arriving again, as new row objects
+    assert [engine.step_tokens(r) for r in later] == [engine.step_tokens(r) for r in later]
+    assert len(searched) == len(rows)
+    warm = engine.run_step(later, max_rows=8)
+    assert len(searched) == len(rows) and warm.reused_tokens > 0  # the step took the planned answers
+    assert engine.stats()["cache"]["hits"] >= len(rows)
+    again = [list(r) for r in rows]
+    before = [engine.step_tokens(r) for r in again]
+    engine.cache.clear()  # the cache changes after planning: the step searches again and runs whole rows
+    cold = engine.run_step(again, max_rows=8)
+    assert len(searched) == 3 * len(rows) and before == [len(r) - (len(r) - 1) // 64 * 64 for r in rows]
+    assert cold.reused_tokens == 0
+    assert not engine._looked_up  # a step drops the rows it ran
+
+
 def test_tail_forwards_are_cut_at_their_own_forward_cost(clf, monkeypatch):
     """A cheap forward cuts a cold step's rows into many forwards; the warm step's tails (a chunk a row
     at most) are cut at the tail phase's cost, here one forward for all of them."""

@@ -52,6 +52,8 @@ PREFIX_FORWARD_ROWS = 64
 # one forward instead of two took a warm pass of the 128-row set from 0.35-0.39 s to 0.31 s in
 # process on an H100 (results_h100/prefix_reuse/3618537).
 PREFIX_TAIL_FORWARD_ROWS = 128
+# Rows whose cached-prefix lookups a PrefixEngine keeps between the scheduler's questions and the step.
+LOOKUP_MEMO_ROWS = 16384
 # What one more prefix-path forward costs, in padded tokens, when a phase's rows are cut into forwards
 # (batching.length_groups): its host time barely grows with its rows, so fewer, fuller forwards win
 # where the plain path's 1024 would cut the short tails apart. 2048 was faster in process on an H100
@@ -94,28 +96,40 @@ class PrefixCache:
     entries: OrderedDict = field(default_factory=OrderedDict)
     lengths: dict = field(default_factory=dict)  # length -> entries of that length
     bytes: int = 0
+    version: int = 0  # changes whenever an entry comes or goes (find)
     # hits, misses, inserted, evicted, tokens_reused, flushes
     counts: Counter = field(default_factory=lambda: Counter(dict.fromkeys(COUNTS, 0)))
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def longest(self, row, limit: int, group: bytes = b""):
         """The cached state of the longest prefix of `row` of at most `limit` tokens, or None."""
-        with self._lock:
-            found = self._find(row, limit, group)
-            if found is None:
-                self.counts["misses"] += 1
-                return None
-            key, n = found
-            self.entries.move_to_end(key)
-            self.counts.update(hits=1, tokens_reused=n)
-            return self.entries[key]
+        key, n, _ = self.find(row, limit, group)
+        return self.claim(key, n)
 
     def cached_tokens(self, row, limit: int, group: bytes = b"") -> int:
         """The length of the longest cached prefix of `row` of at most `limit` tokens (0 if none), for
         planning: counted nowhere, the eviction order unchanged."""
+        return self.find(row, limit, group)[1]
+
+    def find(self, row, limit: int, group: bytes = b"") -> tuple:
+        """(key, length, version) of the longest cached prefix of `row` within `limit` ((None, 0, version)
+        if none), counted nowhere; `version` changes whenever an entry comes or goes, so a caller may keep
+        the answer while it stays the same."""
         with self._lock:
             found = self._find(row, limit, group)
-        return found[1] if found is not None else 0
+            return (found or (None, 0)) + (self.version,)
+
+    def claim(self, key, n: int):
+        """The state under `key` (from find), counted as a hit and made the most recent; None, counted as
+        a miss, where `key` is None or no longer cached."""
+        with self._lock:
+            state = self.entries.get(key) if key is not None else None
+            if state is None:
+                self.counts["misses"] += 1
+                return None
+            self.entries.move_to_end(key)
+            self.counts.update(hits=1, tokens_reused=n)
+            return state
 
     def _find(self, row, limit: int, group: bytes):
         """(key, length) of the longest cached prefix within `limit`, or None; one pass over the row,
@@ -143,12 +157,14 @@ class PrefixCache:
                 self._drop(next(iter(self.entries)))
                 self.counts["evicted"] += 1
             self.entries[key] = state
+            self.version += 1
             self.lengths[state.length] = self.lengths.get(state.length, 0) + 1
             self.bytes += size
             self.counts["inserted"] += 1
 
     def _drop(self, key) -> None:
         state = self.entries.pop(key)
+        self.version += 1
         self.bytes -= state.nbytes
         self.lengths[state.length] -= 1
         if not self.lengths[state.length]:
@@ -158,6 +174,7 @@ class PrefixCache:
         with self._lock:
             n = len(self.entries)
             self.entries.clear()
+            self.version += 1
             self.lengths.clear()
             self.bytes = 0
             self.counts["flushes"] += 1
@@ -495,6 +512,10 @@ class PrefixEngine:
         self.forward_cost = PREFIX_FORWARD_COST_TOKENS  # padded tokens one more forward is counted as
         self.tail_forward_cost = PREFIX_TAIL_FORWARD_COST_TOKENS  # ... in a tail phase
         self.classes = attention_classes(clf.device, self.forwards.text.num_attention_heads, self.forwards.head_dim)
+        # id(row) -> [row, its int64 array, cache version, key, cached tokens]: the scheduler asks for a
+        # queued row's cost while it waits for arrivals and again as it plans, and the step then looks it
+        # up once more; while the cache is unchanged the first answer stands. A step drops its rows.
+        self._looked_up: dict[int, list] = {}
 
     def group(self, row) -> bytes:
         """The rows that may share `row`'s prefix states: those whose whole attention calls give the
@@ -515,16 +536,30 @@ class PrefixEngine:
         """The tokens `row` would compute if it ran now: those after its longest cached prefix (what the
         scheduler's step budget counts, as SGLang's counts the tokens after a prefix match)."""
         limit = self.state_limit(row)
-        cached = self.cache.cached_tokens(row, limit, self.group(row)) if self.cache is not None and limit > 0 else 0
-        return len(row) - cached
+        return len(row) - (self._lookup(row, limit)[4] if self.cache is not None and limit > 0 else 0)
+
+    def _lookup(self, row, limit: int) -> list:
+        """`row`'s entry of _looked_up, its longest cached prefix within `limit` found again only where the
+        cache changed since."""
+        entry = self._looked_up.get(id(row))
+        if entry is None or entry[0] is not row:
+            if len(self._looked_up) >= LOOKUP_MEMO_ROWS:  # rows of requests that went away without a step
+                self._looked_up.clear()
+            entry = self._looked_up[id(row)] = [row, np.asarray(row, dtype=np.int64), None, None, 0]
+        if self.cache is not None and limit > 0 and entry[2] != self.cache.version:
+            entry[3], entry[4], entry[2] = self.cache.find(entry[1], limit, self.group(row))
+        return entry
 
     def run_step(self, rows: list[list[int]], max_rows: int) -> StepResult:
         n = len(rows)
-        arrays = [np.asarray(r, dtype=np.int64) for r in rows]  # once a step: prefix keys hash their bytes
         limits = [self.state_limit(r) for r in rows]
+        looked = [self._lookup(r, limit) for r, limit in zip(rows, limits)]
+        for r in rows:
+            self._looked_up.pop(id(r), None)
+        arrays = [e[1] for e in looked]  # prefix keys hash their bytes
         groups = [self.group(r) for r in rows]
-        best = [self.cache.longest(a, limit, g) if self.cache is not None and limit > 0 else None
-                for a, limit, g in zip(arrays, limits, groups)]
+        best = [self.cache.claim(e[3], e[4]) if self.cache is not None and limit > 0 else None
+                for e, limit in zip(looked, limits)]
 
         def have(i: int) -> int:  # tokens of row i its best state already holds
             return best[i].length if best[i] is not None else 0
