@@ -280,3 +280,17 @@ def test_one_pass_variance_is_torch_mean_on_a_gpu():
             if not torch.equal(got, want):
                 bad.append((rows, n, float((got - want).abs().max())))
     assert not bad, f"not bitwise torch's mean (rows, width, max diff): {bad}"
+
+
+def test_the_tile_size_benchmark_says_in_one_line_that_it_needs_a_gpu(tmp_path):
+    """benchmarks/experiments/fused_kernel_blocks.py times the kernels' tile sizes on a GPU; without one
+    it ends at once with one line and writes nothing."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: the benchmark would run")
+    out = tmp_path / "blocks.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "experiments" / "fused_kernel_blocks.py"),
+                           "--out", str(out)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "needs a CUDA device" in proc.stderr and not out.exists()

@@ -267,7 +267,8 @@ def main() -> int:
     engine_cost = prefix.PREFIX_FORWARD_COST_TOKENS  # the profile and the module comparison run with it
     costs = args.forward_costs or [engine_cost]
     res["prefix_forward_cost_tokens"] = engine_cost
-    res["prefix_tail_forward_cost_tokens"] = prefix.PREFIX_TAIL_FORWARD_COST_TOKENS
+    # a baseline tree's engine may cut tails at the one cost
+    res["prefix_tail_forward_cost_tokens"] = getattr(prefix, "PREFIX_TAIL_FORWARD_COST_TOKENS", engine_cost)
     runs = [(m, None) for m in args.modes.split(",") if m == "padded"] + [
         (m, c) for c in costs for m in args.modes.split(",") if m != "padded"]
     for mode, cost_tokens in runs:

@@ -231,7 +231,8 @@ def square_f32(x):
     return y
 
 
-SUMSQ_ROWS = 16
+SUMSQ_ROWS = 16  # rows a program of the one-pass variance
+SUMSQ_WARPS = 4
 MEAN_MIN_ROWS = 16  # below this PyTorch's reduce uses wider blocks (another order): keep torch's mean
 
 
@@ -249,7 +250,7 @@ def mean_square(x):
         return None
     out = torch.empty(x.shape[:-1] + (1,), dtype=torch.float32, device=x.device)
     _sumsq_kernel[(triton.cdiv(rows, SUMSQ_ROWS),)](x, out, rows, float(np.float32(1.0) / np.float32(n)), N=n,
-                                                    ROWS=SUMSQ_ROWS)
+                                                    ROWS=SUMSQ_ROWS, num_warps=SUMSQ_WARPS)
     return out
 
 
@@ -279,6 +280,7 @@ def swiglu(g, u):
 
 
 CONV_STATE_BLOCK = (32, 64)  # (positions, channels) a program of the state kernel
+CONV_STATE_WARPS = 4
 
 
 def conv_silu_blc(x, w, state=None):
@@ -294,7 +296,7 @@ def conv_silu_blc(x, w, state=None):
         wide = max(length * max(abs(x.stride(1)), channels), channels * abs(x.stride(2))) >= 2**31 - 2**20
         _conv_silu_state_kernel[(b * triton.cdiv(length, block_t), triton.cdiv(channels, block_c))](
             x, state, w.contiguous(), y, length, channels, state.shape[-1], *x.stride(), *state.stride(),
-            K=w.shape[-1], BLOCK_T=block_t, BLOCK_C=block_c, WIDE=wide)
+            K=w.shape[-1], BLOCK_T=block_t, BLOCK_C=block_c, WIDE=wide, num_warps=CONV_STATE_WARPS)
         return y
     if x.is_contiguous():
         block_c = 256
