@@ -68,6 +68,9 @@ def test_json_parsing():
     ({"input_ids": [[1, "2"]]}, 400, "is not an integer"),
     ({"input_ids": [[True]]}, 400, "is not an integer"),
     ({"input_ids": [[1, -1]]}, 400, "token id -1 is out of vocabulary (vocab size 100)"),
+    # the first bad token of a row is the one named, whatever follows it
+    ({"input_ids": [[1], [5] * 9 + [True, -1, 2.0]]}, 400, "row 1 position 9: token id True is not an integer"),
+    ({"input_ids": [[7] * 12 + [100, "x"]]}, 400, "row 0 position 12: token id 100 is out of vocabulary"),
     ({"input_ids": [[100]]}, 400, "token id 100 is out of vocabulary"),
     ({"input_ids": [[1] * 16]}, 400, "16 tokens, not below the server context length 16"),
     ({"input_ids": [[1] * 40]}, 400, "not below the server context length"),
@@ -83,6 +86,15 @@ def test_classify_refusals(body, status, message):
     assert message in err.message
     assert err.type == (contract.TOO_LARGE if status == 413 else contract.BAD_REQUEST)
     assert err.body() == {"error": {"message": err.message, "type": err.type, "code": status}}
+
+
+def test_int_subclasses_other_than_bool_are_token_ids():
+    import enum
+
+    class Tok(enum.IntEnum):
+        A = 3
+
+    assert contract.validate_rows([[1, Tok.A, 2]], LIMITS) == [[1, Tok.A, 2]]
 
 
 def test_context_length_message_explains_the_equal_case():
