@@ -403,6 +403,12 @@ def test_server_with_prefix_reuse(overlay, tmp_path):
             assert r.status_code == 200, r.text
             return np.asarray(r.json()["logits"], dtype=np.float32)
 
+        started = requests.get(srv.url + "/server_info", timeout=10).json()
+        warm = started["warmup"]["prefix_path"]  # compiled before the first request, nothing of it kept
+        assert warm["rows"] == 6 and warm["forwards"] >= 2 and warm["seconds"] > 0
+        assert {k: started["prefix_reuse"]["cache"][k] for k in ("entries", "bytes", "hits", "misses", "flushes")} \
+            == dict.fromkeys(("entries", "bytes", "hits", "misses", "flushes"), 0)
+        assert started["counters"]["steps"] == 0
         first = classify()
         info = requests.get(srv.url + "/server_info", timeout=10).json()
         assert info["serving_path"] == "prefix-reuse" and info["radix_cache"] is True

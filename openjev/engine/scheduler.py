@@ -140,6 +140,7 @@ class Engine:
                 if self.clf.pad_token_id is None:
                     raise ValueError("--prefix-reuse pads continuations and needs a pad_token_id in config.json")
                 self.prefix = PrefixEngine(self.clf, self.args.prefix_cache_mb << 20, self.args.prefix_min_tokens)
+                self.warmup["prefix_path"] = self.prefix.warm_up(self.args.max_running_requests)
         except Exception as exc:  # noqa: BLE001 - any load failure ends the process with one line
             self.state, self.error = "failed", f"model failed to load from {self.args.checkpoint}: {exc}"
             log.error(self.error)
