@@ -112,6 +112,30 @@ RANGE_PREFIX = "openjev."
 STACK_FRAMES = 6  # frames of the calling Python stack that group the operators in prof_tables' stack table
 
 
+SITE_PACKAGES = ("openjev/", "transformers/", "fla/")  # where a call site is named in prof_tables' site table
+
+
+def site_table(events, sort: str, rows: int) -> list[str]:
+    """Lines of operator time summed by (operator, innermost stack frame in SITE_PACKAGES): the stack
+    table splits one call site over every module instance that passes through it."""
+    from collections import defaultdict
+
+    total: dict = defaultdict(float)
+    calls: dict = defaultdict(int)
+    for e in events:
+        t = getattr(e, sort, 0) or 0
+        if t <= 0 or not e.stack or ".py(" in e.key:  # Python functions' own events are not operators
+            continue
+        site = next((f for f in e.stack if any(p in f for p in SITE_PACKAGES)), e.stack[0])
+        total[(e.key, site)] += t
+        calls[(e.key, site)] += e.count
+    grand = sum(total.values()) or 1
+    out = [f"{'us':>12} {'share':>6} {'calls':>7}  operator @ site"]
+    for (name, site), t in sorted(total.items(), key=lambda kv: -kv[1])[:rows]:
+        out.append(f"{t:12.1f} {t / grand:6.3f} {calls[(name, site)]:7d}  {name[:60]} @ {site}")
+    return out
+
+
 def prof_tables(fn, device, path: Path, rows=30, stack_rows=0):
     """torch.profiler tables of `fn` by operator (self CPU time, self device time) into `path`; with
     `stack_rows`, also that many rows of operators grouped by the Python stack that called them (the
@@ -135,7 +159,10 @@ def prof_tables(fn, device, path: Path, rows=30, stack_rows=0):
                                                              max_name_column_width=70)]
     if stack_rows:
         by_stack = prof.key_averages(group_by_stack_n=STACK_FRAMES)
-        text += [f"# by calling Python stack ({STACK_FRAMES} frames), sorted by {sort}",
+        text += [f"# by call site: operators' self {'device' if sort.startswith('self_cuda') else 'CPU'} time summed by the "
+                 f"innermost frame in {', '.join(SITE_PACKAGES)} (module instances merged)",
+                 *site_table(by_stack, sort, stack_rows),
+                 f"# by calling Python stack ({STACK_FRAMES} frames), sorted by {sort}",
                  by_stack.table(sort_by=sort, row_limit=stack_rows, max_name_column_width=70)]
     path.write_text("\n".join(text))
     summary = {"events": len(ka)}
