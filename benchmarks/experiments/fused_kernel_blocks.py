@@ -22,22 +22,16 @@ SUMSQ_SHAPES = ((10240, 2560), (25600, 2560), (4096, 2560))  # (tokens, hidden)
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="JSON file of every setting's timings")
-    p.add_argument("--repeats", type=int, default=20, help="timed calls a shape (default 20)")
+    p.add_argument("--rep-ms", type=int, default=25, help="milliseconds of timed calls a shape (do_bench's rep, default 25)")
     return p
 
 
-def timed(torch, fn, repeats: int) -> float:
-    """Median device microseconds of `fn` over `repeats` calls (CUDA events), after two untimed."""
-    fn(), fn()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
+def timed(fn, rep_ms: int) -> float:
+    """Median device microseconds of `fn` (triton.testing.do_bench: CUDA events, the L2 cache cleared
+    between calls)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=5, rep=rep_ms, return_mode="median") * 1e3
 
 
 def main(args) -> int:
@@ -62,7 +56,7 @@ def main(args) -> int:
         entry = {"kernel": "conv_silu_state", "block": list(block), "warps": warps, "shapes": []}
         for x, w, st, want in conv_inputs:
             same = torch.equal(fused.conv_silu_blc(x, w, state=st), want)
-            us = timed(torch, lambda: fused.conv_silu_blc(x, w, state=st), args.repeats)
+            us = timed(lambda: fused.conv_silu_blc(x, w, state=st), args.rep_ms)
             gbs = 2 * x.numel() * x.element_size() / us / 1e3
             entry["shapes"].append({"shape": list(x.shape), "us": round(us, 1), "gb_s": round(gbs, 1), "bitwise": same})
         results.append(entry)
@@ -78,7 +72,7 @@ def main(args) -> int:
         entry = {"kernel": "sumsq", "rows": rows, "warps": warps, "shapes": []}
         for x, want in sumsq_inputs:
             same = torch.equal(fused.mean_square(x), want)
-            us = timed(torch, lambda: fused.mean_square(x), args.repeats)
+            us = timed(lambda: fused.mean_square(x), args.rep_ms)
             entry["shapes"].append({"shape": list(x.shape), "us": round(us, 1),
                                     "gb_s": round(x.numel() * x.element_size() / us / 1e3, 1), "bitwise_torch_mean": same})
         results.append(entry)
