@@ -135,6 +135,12 @@ for length in (1, 2, 3, 70, 50):  # 70: three tiles of the state kernel; 50 last
     got = wrap(new, cw, None, activation="silu")
     assert got.shape == (3, 96, length) and torch.equal(got.transpose(1, 2), whole), length
 assert len(fell_back) == 1
+# offsets in int64 (taken where a row's offsets could pass int32): the same outputs
+import triton
+wide = torch.empty_like(xs)
+_fused._conv_silu_state_kernel[(3 * triton.cdiv(50, 32), triton.cdiv(96, 64))](
+    xs, st, cw, wide, 50, 96, 4, *xs.stride(), *st.stride(), K=4, BLOCK_T=32, BLOCK_C=64, WIDE=True)
+assert torch.equal(wide, _fused.conv_silu_blc(xs, cw, state=st))
 assert wrap(new, cw, None, activation="silu").shape == (3, 96, 50)  # taken once: the next call has no state
 _fused._CONV_CACHED_WEIGHTS.discard(cw.data_ptr())  # an unchecked layout: the concatenation goes to Transformers'
 _fused.defer_conv_state(new, st)

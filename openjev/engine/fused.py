@@ -293,7 +293,8 @@ def conv_silu_blc(x, w, state=None):
     y = torch.empty((b, length, channels), dtype=x.dtype, device=x.device)
     if state is not None:
         block_t, block_c = CONV_STATE_BLOCK
-        wide = max(length * max(abs(x.stride(1)), channels), channels * abs(x.stride(2))) >= 2**31 - 2**20
+        # the largest offset within a row, of an input or an output (whose position stride is channels)
+        wide = (length + block_t) * max(abs(x.stride(1)), channels) + (channels + block_c) * max(abs(x.stride(2)), 1) >= 2**31
         _conv_silu_state_kernel[(b * triton.cdiv(length, block_t), triton.cdiv(channels, block_c))](
             x, state, w.contiguous(), y, length, channels, state.shape[-1], *x.stride(), *state.stride(),
             K=w.shape[-1], BLOCK_T=block_t, BLOCK_C=block_c, WIDE=wide, num_warps=CONV_STATE_WARPS)
