@@ -26,20 +26,25 @@ def _state(length: int, nbytes: int):
     return PrefixState(length, torch.zeros(nbytes // 4, dtype=torch.float32), empty, empty, empty)
 
 
+def longest(cache, row, limit):
+    """The cached state of the longest prefix of `row` within `limit`, counted, as a step takes it."""
+    return cache.claim(*cache.find(row, limit)[:2])
+
+
 def test_cache_finds_the_longest_cached_prefix_and_counts():
     cache = PrefixCache(budget_bytes=10_000)
     row = list(range(100, 140))
     cache.put(row[:10], _state(10, 400))
     cache.put(row[:25], _state(25, 400))
     cache.put([7] * 30, _state(30, 400))
-    assert cache.longest(row, limit=39).length == 25
-    assert cache.longest(row, limit=24).length == 10
-    assert cache.longest([1, 2, 3], limit=2) is None
+    assert longest(cache, row, limit=39).length == 25
+    assert longest(cache, row, limit=24).length == 10
+    assert longest(cache, [1, 2, 3], limit=2) is None
     s = cache.stats()
     assert (s["hits"], s["misses"], s["entries"], s["bytes"], s["tokens_reused"]) == (2, 1, 3, 1200, 35)
     # a look for the step planner counts nothing and keeps the eviction order
     order = list(cache.entries)
-    assert (cache.cached_tokens(row, limit=39), cache.cached_tokens(row, limit=9), cache.cached_tokens([5], 0)) == (25, 0, 0)
+    assert (cache.find(row, 39)[1], cache.find(row, 9)[1], cache.find([5], 0)[1]) == (25, 0, 0)
     assert cache.stats() == s and list(cache.entries) == order
 
 
@@ -48,9 +53,9 @@ def test_cache_evicts_least_recently_used_within_its_budget_and_clears():
     a, b, c = [1] * 5, [2] * 5, [3] * 5
     cache.put(a, _state(5, 400))
     cache.put(b, _state(5, 400))
-    assert cache.longest(a + [9], 5) is not None  # a is now the most recent
+    assert longest(cache, a + [9], 5) is not None  # a is now the most recent
     cache.put(c, _state(5, 400))                   # over budget: b goes
-    assert cache.longest(b + [9], 5) is None and cache.longest(c + [9], 5) is not None
+    assert longest(cache, b + [9], 5) is None and longest(cache, c + [9], 5) is not None
     cache.put([4] * 5, _state(5, 4000))            # larger than the whole budget: not kept
     s = cache.stats()
     assert (s["entries"], s["bytes"], s["evicted"]) == (2, 800, 1)

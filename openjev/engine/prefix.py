@@ -88,6 +88,11 @@ def prefix_key(tokens, group: bytes = b"") -> bytes:
     return hashlib.blake2b(arr.tobytes(), digest_size=16).digest() + len(arr).to_bytes(4, "little") + group
 
 
+def zero_counts() -> Counter:
+    """A PrefixCache's counts before anything happened."""
+    return Counter(dict.fromkeys(COUNTS, 0))
+
+
 @dataclass
 class PrefixCache:
     """Prefix states by their token ids and attention group, least recently used evicted first, within
@@ -99,18 +104,8 @@ class PrefixCache:
     bytes: int = 0
     version: int = 0  # changes whenever an entry comes or goes (find)
     # hits, misses, inserted, evicted, tokens_reused, flushes
-    counts: Counter = field(default_factory=lambda: Counter(dict.fromkeys(COUNTS, 0)))
+    counts: Counter = field(default_factory=zero_counts)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def longest(self, row, limit: int, group: bytes = b""):
-        """The cached state of the longest prefix of `row` of at most `limit` tokens, or None."""
-        key, n, _ = self.find(row, limit, group)
-        return self.claim(key, n)
-
-    def cached_tokens(self, row, limit: int, group: bytes = b"") -> int:
-        """The length of the longest cached prefix of `row` of at most `limit` tokens (0 if none), for
-        planning: counted nowhere, the eviction order unchanged."""
-        return self.find(row, limit, group)[1]
 
     def find(self, row, limit: int, group: bytes = b"") -> tuple:
         """(key, length, version) of the longest cached prefix of `row` within `limit` ((None, 0, version)
@@ -502,6 +497,17 @@ def _after_kept_index(layout, width: int, device):
     return layout.plans[key]
 
 
+@dataclass
+class RowLookup:
+    """A row's int64 array and, as of cache `version`, its longest cached prefix (`key`, `cached` tokens)."""
+
+    row: list
+    array: object
+    version: int | None = None
+    key: bytes | None = None
+    cached: int = 0
+
+
 class PrefixEngine:
     """One scheduling step with shared prefixes and the cross-request prefix cache."""
 
@@ -513,10 +519,10 @@ class PrefixEngine:
         self.forward_cost = PREFIX_FORWARD_COST_TOKENS  # padded tokens one more forward is counted as
         self.tail_forward_cost = PREFIX_TAIL_FORWARD_COST_TOKENS  # ... in a tail phase
         self.classes = attention_classes(clf.device, self.forwards.text.num_attention_heads, self.forwards.head_dim)
-        # id(row) -> [row, its int64 array, cache version, key, cached tokens]: the scheduler asks for a
-        # queued row's cost while it waits for arrivals and again as it plans, and the step then looks it
-        # up once more; while the cache is unchanged the first answer stands. A step drops its rows.
-        self._looked_up: dict[int, list] = {}
+        # id(row) -> its RowLookup: the scheduler asks for a queued row's cost while it waits for arrivals
+        # and again as it plans, and the step then looks it up once more; while the cache is unchanged the
+        # first answer stands. A step drops its rows.
+        self._looked_up: dict[int, RowLookup] = {}
 
     def group(self, row) -> bytes:
         """The rows that may share `row`'s prefix states: those whose whole attention calls give the
@@ -541,10 +547,9 @@ class PrefixEngine:
         t0 = time.perf_counter()
         cold = self.run_step(rows, max_rows)
         warm = self.run_step(rows, max_rows)
-        if self.cache is not None:
+        if self.cache is not None:  # the steps dropped their rows' lookups; the cache goes too
             self.cache.clear()
-            self.cache.counts = Counter(dict.fromkeys(COUNTS, 0))
-        self._looked_up.clear()
+            self.cache.counts = zero_counts()
         seconds = round(time.perf_counter() - t0, 3)
         log.info("prefix path warm-up: %d rows, a cold and a warm step in %.1f s", len(rows), seconds)
         return {"rows": len(rows), "forwards": cold.forwards + warm.forwards, "seconds": seconds}
@@ -559,18 +564,18 @@ class PrefixEngine:
         """The tokens `row` would compute if it ran now: those after its longest cached prefix (what the
         scheduler's step budget counts, as SGLang's counts the tokens after a prefix match)."""
         limit = self.state_limit(row)
-        return len(row) - (self._lookup(row, limit)[4] if self.cache is not None and limit > 0 else 0)
+        return len(row) - (self._lookup(row, limit).cached if self.cache is not None and limit > 0 else 0)
 
-    def _lookup(self, row, limit: int) -> list:
-        """`row`'s entry of _looked_up, its longest cached prefix within `limit` found again only where the
-        cache changed since."""
+    def _lookup(self, row, limit: int) -> "RowLookup":
+        """`row`'s RowLookup, its longest cached prefix within `limit` found again only where the cache
+        changed since."""
         entry = self._looked_up.get(id(row))
-        if entry is None or entry[0] is not row:
+        if entry is None or entry.row is not row:
             if len(self._looked_up) >= LOOKUP_MEMO_ROWS:  # rows of requests that went away without a step
                 self._looked_up.clear()
-            entry = self._looked_up[id(row)] = [row, np.asarray(row, dtype=np.int64), None, None, 0]
-        if self.cache is not None and limit > 0 and entry[2] != self.cache.version:
-            entry[3], entry[4], entry[2] = self.cache.find(entry[1], limit, self.group(row))
+            entry = self._looked_up[id(row)] = RowLookup(row, np.asarray(row, dtype=np.int64))
+        if self.cache is not None and limit > 0 and entry.version != self.cache.version:
+            entry.key, entry.cached, entry.version = self.cache.find(entry.array, limit, self.group(row))
         return entry
 
     def run_step(self, rows: list[list[int]], max_rows: int) -> StepResult:
@@ -579,9 +584,9 @@ class PrefixEngine:
         looked = [self._lookup(r, limit) for r, limit in zip(rows, limits)]
         for r in rows:
             self._looked_up.pop(id(r), None)
-        arrays = [e[1] for e in looked]  # prefix keys hash their bytes
+        arrays = [e.array for e in looked]  # prefix keys hash their bytes
         groups = [self.group(r) for r in rows]
-        best = [self.cache.claim(e[3], e[4]) if self.cache is not None and limit > 0 else None
+        best = [self.cache.claim(e.key, e.cached) if self.cache is not None and limit > 0 else None
                 for e, limit in zip(looked, limits)]
 
         def have(i: int) -> int:  # tokens of row i its best state already holds
