@@ -156,12 +156,13 @@ def validate_rows(rows: Any, limits: Limits, field: str = "input_ids") -> list[l
             raise ContractError(400, f"row {i} of '{field}' is not a list of token ids")
         if not row:
             raise ContractError(400, f"row {i} of '{field}' is empty")
-        for p, tok in enumerate(() if _plain_token_ids(row, limits.vocab_size) else row):
-            if not _is_int(tok):
-                raise ContractError(400, f"row {i} position {p}: token id {tok!r} is not an integer")
-            if tok < 0 or tok >= limits.vocab_size:
-                raise ContractError(
-                    400, f"row {i} position {p}: token id {tok} is out of vocabulary (vocab size {limits.vocab_size})")
+        if not _plain_token_ids(row, limits.vocab_size):  # the loop names the first bad token
+            for p, tok in enumerate(row):
+                if not _is_int(tok):
+                    raise ContractError(400, f"row {i} position {p}: token id {tok!r} is not an integer")
+                if tok < 0 or tok >= limits.vocab_size:
+                    raise ContractError(
+                        400, f"row {i} position {p}: token id {tok} is out of vocabulary (vocab size {limits.vocab_size})")
         if len(row) >= limits.context_length:
             raise ContractError(
                 400, f"row {i} has {len(row)} tokens, not below the server context length {limits.context_length}: "

@@ -110,8 +110,6 @@ RANGE_PREFIX = "openjev."
 
 
 STACK_FRAMES = 6  # frames of the calling Python stack that group the operators in prof_tables' stack table
-
-
 SITE_PACKAGES = ("openjev/", "transformers/", "fla/")  # where a call site is named in prof_tables' site table
 
 
