@@ -43,6 +43,9 @@ class Metrics:
                                       buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
         self.forward_tokens = Counter("openjev_forward_tokens", "tokens the forwards ran, padding included "
                                       "(over openjev_tokens: the padding overhead)", registry=r)
+        self.queue_seconds = Histogram("openjev_queue_seconds", "time a request waited from being queued to the "
+                                       "step that first took its rows (--batch-wait-ms included)", registry=r,
+                                       buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
         self.step_rows = Histogram("openjev_step_rows", "rows in one scheduling step", registry=r,
                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
         self.request_seconds = Histogram("openjev_request_seconds", "wall time of classify requests", ["route"],

@@ -9,6 +9,7 @@ order. Speed figures live in benchmarks/results_cpu/serving_front_cpu.json.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -321,8 +322,25 @@ def test_requests_sent_together_share_the_first_step_with_a_batch_wait(overlay, 
         t0 = time.perf_counter()
         assert post(srv.url, "/classify", {"input_ids": [[7] * 4000]}).status_code == 200
         assert time.perf_counter() - t0 < 2.0, "a request that fills the budget waited for others"
+        text = requests.get(f"{srv.url}/metrics").text
+        # each request's queue time is observed once; the first of the four waited for the other three
+        assert metric(text, "openjev_queue_seconds_count") == 5
+        assert metric(text, "openjev_queue_seconds_bucket", le="0.1") <= 4
     finally:
         srv.stop()
+
+
+def test_the_batch_wait_counts_from_the_first_queued_requests_arrival():
+    """--batch-wait-ms bounds how long the first request waits: when the engine thread wakes late (busy
+    parsing threads, a slow step's aftermath), the wait already spent counts, so a request queued
+    longer ago than the wait runs at once."""
+    args = argparse.Namespace(batch_wait_ms=5000, step_token_budget=1_000_000)
+    engine = engine_scheduler.Engine(args)
+    engine._pending.append(engine_scheduler.Job([[1, 2, 3]], None, None, queued_at=time.monotonic() - 6))
+    t0 = time.monotonic()
+    with engine._cv:
+        engine._gather_arrivals()
+    assert time.monotonic() - t0 < 1.0, "the wait restarted when the engine thread woke"
 
 
 def test_a_negative_batch_wait_is_refused_in_one_line(overlay):

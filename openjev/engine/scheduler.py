@@ -31,6 +31,8 @@ class Job:
     served_tokens: int = 0          # what its scheduled rows cost (plan_step; the fair-share clock)
     done_rows: int = 0
     cancelled: bool = False
+    queued_at: float = field(default_factory=time.monotonic)
+    first_step_at: float | None = None  # when a step first took its rows
 
 
 @dataclass
@@ -234,6 +236,7 @@ class Engine:
                     return
                 picked = plan_step(self._pending, self.args.step_token_budget, self._row_cost)
                 self.step_running_since = time.monotonic()
+                self._note_first_steps(picked, self.step_running_since)
             if picked:
                 self._run_step(picked)
             with self._cv:
@@ -245,12 +248,21 @@ class Engine:
         """The tokens a step computes for `row`: with prefix reuse those after its longest cached prefix."""
         return self.prefix.step_tokens(row) if self.prefix is not None else len(row)
 
+    def _note_first_steps(self, picked, now: float) -> None:
+        """A request's queue time ends when a step first takes its rows (openjev_queue_seconds)."""
+        for job in {id(j): j for j, _ in picked}.values():
+            if job.first_step_at is None:
+                job.first_step_at = now
+                if self.metrics:
+                    self.metrics.queue_seconds.observe(now - job.queued_at)
+
     def _gather_arrivals(self) -> None:
-        """Woken from idle (lock held): wait up to --batch-wait-ms for requests sent together to arrive,
-        so that they share the first step instead of the first one running alone; stop waiting as soon
-        as the queued rows fill the step budget, counted as the step counts them (_row_cost)."""
+        """Woken from idle (lock held): wait up to --batch-wait-ms, counted from the first queued
+        request's arrival, for requests sent together to arrive, so that they share the first step
+        instead of the first one running alone; stop waiting as soon as the queued rows fill the step
+        budget, counted as the step counts them (_row_cost)."""
         wait = getattr(self.args, "batch_wait_ms", 0) / 1000
-        deadline = time.monotonic() + wait
+        deadline = min((j.queued_at for j in self._pending), default=time.monotonic()) + wait
         # id of a queued job -> (the job, the cost of its rows), counted once; holding the job keeps its id
         # from being reused by a later one while this waits
         costs: dict[int, tuple] = {}
@@ -265,6 +277,7 @@ class Engine:
 
     def _run_step(self, picked: list[tuple[Job, int]]) -> None:
         rows = [job.rows[i] for job, i in picked]
+        queued_s = time.monotonic() - min(job.queued_at for job, _ in picked)
         t0 = time.perf_counter()
         try:
             if self.prefix is not None:
@@ -278,9 +291,9 @@ class Engine:
                     job.cancelled = True
                     job.loop.call_soon_threadsafe(_set_exception, job.future, exc)
             return
-        self._finish_step(picked, rows, done, time.perf_counter() - t0)
+        self._finish_step(picked, rows, done, time.perf_counter() - t0, queued_s)
 
-    def _finish_step(self, picked, rows, done: StepResult, elapsed: float) -> None:
+    def _finish_step(self, picked, rows, done: StepResult, elapsed: float, queued_s: float) -> None:
         c = self.counters
         c.steps += 1
         c.forward_passes += done.forwards
@@ -290,8 +303,9 @@ class Engine:
         logits = done.logits
         if log.isEnabledFor(logging.DEBUG):
             log.debug("step %d: %d rows of %d requests, %d tokens, %d forwards, %d padded tokens, %d computed "
-                      "tokens, %.1f ms", c.steps, len(rows), len({id(j) for j, _ in picked}), sum(map(len, rows)),
-                      done.forwards, done.padded_tokens, done.computed_tokens, elapsed * 1e3)
+                      "tokens, %.1f ms (started %.1f ms after its oldest request was queued)", c.steps, len(rows),
+                      len({id(j) for j, _ in picked}), sum(map(len, rows)), done.forwards, done.padded_tokens,
+                      done.computed_tokens, elapsed * 1e3, queued_s * 1e3)
         if self.metrics:
             self.metrics.step_seconds.observe(elapsed)
             self.metrics.step_rows.observe(len(rows))
