@@ -138,18 +138,23 @@ def divergence(clf, forwards, rows, picks) -> dict:
     return out
 
 
-def server_steps(rows, batch: int, workers: int, budget: int, cost=len):
+def plan_cost(eng):
+    """The prefix engine's cost of rows a plan (a baseline tree's engine may cost each row alone)."""
+    return getattr(eng, "step_cost", None) or (lambda: eng.step_tokens)
+
+
+def server_steps(rows, batch: int, workers: int, budget: int, step_cost=lambda: len):
     """Row indices of each step, as the server's scheduler plans them for `workers` clients that each
     send requests of `batch` rows and send the next when one is answered: each step planned when the
-    one before it has run (a generator), with the cost the server gives a row (`cost`: its length, or
-    with prefix reuse PrefixEngine.step_tokens)."""
+    one before it has run (a generator), with the cost the server gives a row in a plan (`step_cost()`
+    makes one a plan: its length, or with prefix reuse PrefixEngine.step_cost)."""
     from openjev.engine.scheduler import plan_step
 
     jobs = [SimpleNamespace(rows=rows[i:i + batch], base=i, cursor=0, cancelled=False, served_tokens=0)
             for i in range(0, len(rows), batch)]
     pending, queue = jobs[:workers], jobs[workers:]
     while pending:
-        yield [job.base + k for job, k in plan_step(pending, budget, cost)]
+        yield [job.base + k for job, k in plan_step(pending, budget, step_cost())]
         for _ in range(sum(j.cursor >= len(j.rows) for j in pending)):  # each answered client sends again
             if queue:
                 pending.append(queue.pop(0))
@@ -275,18 +280,18 @@ def main() -> int:
         name = mode if cost_tokens is None or len(costs) == 1 else f"{mode}@{cost_tokens}"
         if mode == "padded":
             step_fn = lambda r: forward_rows(clf, r, "padded", args.max_rows)  # noqa: E731
-            cost = len
+            step_cost = lambda: len  # noqa: E731
         else:
             eng = engines[mode]
             eng.forward_cost = cost_tokens
             step_fn = lambda r, eng=eng: eng.run_step(r, args.max_rows)  # noqa: E731
-            cost = eng.step_tokens
+            step_cost = plan_cost(eng)
         out = []
         for k in range(1 + args.passes):
             if mode == "prefix_flushed":
                 eng.cache.clear()
             sec, logits, computed, padded, forwards, count = run_pass(
-                step_fn, rows, server_steps(rows, args.batch, args.workers, args.step_tokens, cost), args.device)
+                step_fn, rows, server_steps(rows, args.batch, args.workers, args.step_tokens, step_cost), args.device)
             out.append({"seconds": round(sec, 4), "computed_tokens": computed, "padded_tokens": padded,
                         "forwards": forwards, "steps": count})
         if mode == "padded":
@@ -305,7 +310,7 @@ def main() -> int:
         """A pass of the prefix path as the server forms its steps, the cache emptied first if `flush`."""
         if flush:
             eng.cache.clear()
-        planned = server_steps(rows, args.batch, args.workers, args.step_tokens, eng.step_tokens)
+        planned = server_steps(rows, args.batch, args.workers, args.step_tokens, plan_cost(eng))
         return lambda: [eng.run_step([rows[i] for i in s], args.max_rows) for s in planned]
 
     if not args.no_profile:

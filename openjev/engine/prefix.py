@@ -506,6 +506,7 @@ class RowLookup:
     version: int | None = None
     key: bytes | None = None
     cached: int = 0
+    marks: list | None = None  # digests of its prefixes at each chunk boundary within its state limit
 
 
 class PrefixEngine:
@@ -565,6 +566,37 @@ class PrefixEngine:
         scheduler's step budget counts, as SGLang's counts the tokens after a prefix match)."""
         limit = self.state_limit(row)
         return len(row) - (self._lookup(row, limit).cached if self.cache is not None and limit > 0 else 0)
+
+    def step_cost(self):
+        """A cost of rows for one step plan (the scheduler's `plan_step`): the tokens the step computes for
+        a row given the rows costed before it in the same plan, those after the longer of its cached
+        prefix and the longest prefix it shares with them (at chunk boundaries, within its attention
+        group, at least min_tokens beyond the cached one), as run_step shares prefixes: the first row of
+        a shared prefix pays for it, the others for their own tokens only. So a cold step of option
+        groups counts its premises once against the step budget, as it runs them."""
+        seen: set[bytes] = set()
+
+        def cost(row) -> int:
+            limit = self.state_limit(row)
+            if limit == 0:
+                return len(row)
+            entry = self._lookup(row, limit)
+            cached = entry.cached if self.cache is not None else 0
+            marks = self._marks(entry, limit)
+            shared = next((GDN_CHUNK * (k + 1) for k in range(len(marks) - 1, -1, -1) if marks[k] in seen), 0)
+            seen.update(marks)
+            return len(row) - (shared if shared - cached >= self.min_tokens else cached)
+        return cost
+
+    def _marks(self, entry: "RowLookup", limit: int) -> list:
+        """Digests of `entry`'s prefixes of 1, 2, ... chunks up to `limit`, salted with its attention group."""
+        if entry.marks is None:
+            h = hashlib.blake2b(self.group(entry.row), digest_size=16)
+            raw, step, entry.marks = entry.array.tobytes(), GDN_CHUNK * entry.array.itemsize, []
+            for end in range(step, limit // GDN_CHUNK * step + 1, step):
+                h.update(raw[end - step:end])
+                entry.marks.append(h.digest())
+        return entry.marks
 
     def _lookup(self, row, limit: int) -> "RowLookup":
         """`row`'s RowLookup, its longest cached prefix within `limit` found again only where the cache

@@ -234,7 +234,7 @@ class Engine:
                     self._gather_arrivals()
                 if self._stopping:
                     return
-                picked = plan_step(self._pending, self.args.step_token_budget, self._row_cost)
+                picked = plan_step(self._pending, self.args.step_token_budget, self._step_cost())
                 self.step_running_since = time.monotonic()
                 self._note_first_steps(picked, self.step_running_since)
             if picked:
@@ -244,9 +244,11 @@ class Engine:
                 self.last_progress = time.monotonic()
                 self._pending = [j for j in self._pending if not j.cancelled and j.done_rows < len(j.rows)]
 
-    def _row_cost(self, row) -> int:
-        """The tokens a step computes for `row`: with prefix reuse those after its longest cached prefix."""
-        return self.prefix.step_tokens(row) if self.prefix is not None else len(row)
+    def _step_cost(self):
+        """A cost of rows for one step plan (plan_step's `cost`): a row's length, or with prefix reuse the
+        tokens the step computes for it (PrefixEngine.step_cost: after its cached prefix or a prefix it
+        shares with the rows before it in the plan)."""
+        return self.prefix.step_cost() if self.prefix is not None else len
 
     def _note_first_steps(self, picked, now: float) -> None:
         """A request's queue time ends when a step first takes its rows (openjev_queue_seconds)."""
@@ -260,18 +262,20 @@ class Engine:
         """Woken from idle (lock held): wait up to --batch-wait-ms, counted from the first queued
         request's arrival, for requests sent together to arrive, so that they share the first step
         instead of the first one running alone; stop waiting as soon as the queued rows fill the step
-        budget, counted as the step counts them (_row_cost)."""
+        budget, counted as a step plan counts them (_step_cost)."""
         wait = getattr(self.args, "batch_wait_ms", 0) / 1000
         deadline = min((j.queued_at for j in self._pending), default=time.monotonic()) + wait
-        # id of a queued job -> (the job, the cost of its rows), counted once; holding the job keeps its id
-        # from being reused by a later one while this waits
-        costs: dict[int, tuple] = {}
+        cost, total = self._step_cost(), 0
+        # id of a queued job -> the job, its rows counted once in arrival order; holding the job keeps its
+        # id from being reused by a later one while this waits
+        counted: dict[int, Job] = {}
         while not self._stopping and wait > 0:
             left = deadline - time.monotonic()
             for j in self._pending:
-                if id(j) not in costs:
-                    costs[id(j)] = (j, sum(self._row_cost(r) for r in j.rows[j.cursor:]))
-            if left <= 0 or sum(costs[id(j)][1] for j in self._pending) >= self.args.step_token_budget:
+                if id(j) not in counted:
+                    counted[id(j)] = j
+                    total += sum(cost(r) for r in j.rows[j.cursor:])
+            if left <= 0 or total >= self.args.step_token_budget:
                 return
             self._cv.wait(left)
 
