@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import numpy as np
 import psutil
@@ -341,6 +342,22 @@ def test_the_batch_wait_counts_from_the_first_queued_requests_arrival():
     with engine._cv:
         engine._gather_arrivals()
     assert time.monotonic() - t0 < 1.0, "the wait restarted when the engine thread woke"
+
+
+def test_the_batch_wait_ends_at_its_deadline_when_counting_the_queued_rows_takes_time():
+    """The time spent counting what queued rows cost (prefix lookups: milliseconds a request) comes out
+    of the wait, not on top of it."""
+    def slow_cost(row):
+        time.sleep(0.2)
+        return len(row)
+
+    args = argparse.Namespace(batch_wait_ms=300, step_token_budget=1_000_000)
+    engine = engine_scheduler.Engine(args, prefix=types.SimpleNamespace(step_cost=lambda: slow_cost))
+    engine._pending.append(engine_scheduler.Job([[1, 2, 3], [4, 5]], None, None))
+    t0 = time.monotonic()
+    with engine._cv:
+        engine._gather_arrivals()
+    assert time.monotonic() - t0 < 0.6, "the wait started over after counting the queued rows"
 
 
 def test_a_negative_batch_wait_is_refused_in_one_line(overlay):

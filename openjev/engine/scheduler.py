@@ -270,11 +270,11 @@ class Engine:
         # id from being reused by a later one while this waits
         counted: dict[int, Job] = {}
         while not self._stopping and wait > 0:
-            left = deadline - time.monotonic()
             for j in self._pending:
                 if id(j) not in counted:
                     counted[id(j)] = j
                     total += sum(cost(r) for r in j.rows[j.cursor:])
+            left = deadline - time.monotonic()  # after the counting, which takes milliseconds a request
             if left <= 0 or total >= self.args.step_token_budget:
                 return
             self._cv.wait(left)
