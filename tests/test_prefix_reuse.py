@@ -455,14 +455,27 @@ def test_server_with_prefix_reuse(overlay, tmp_path):
         srv.stop()
 
 
+def send_together(url: str, requests_rows: list) -> None:
+    """POST each request's rows to /classify from its own thread, 50 ms apart, all answered 200."""
+    import threading
+    import time
+
+    status = []
+    threads = [threading.Thread(target=lambda r=r: status.append(requests.post(
+        url + "/classify", json={"input_ids": r}, timeout=120).status_code)) for r in requests_rows]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
+    assert status == [200] * len(requests_rows)
+
+
 def test_a_batch_wait_counts_the_tokens_a_warm_step_computes(overlay, tmp_path):
     """--batch-wait-ms with --prefix-reuse: a warm request whose rows' tokens exceed the step budget, but
     whose tails (what the step computes) do not, still waits for the requests sent with it, so a warm
     pass of four requests sent together runs in one step (on the H100 it ran in two: the wait stopped
     at the first request's raw tokens)."""
-    import threading
-    import time
-
     from openjev.engine.classifier import load_classifier
 
     clf = load_classifier(overlay, "cpu", "float32")
@@ -476,20 +489,9 @@ def test_a_batch_wait_counts_the_tokens_a_warm_step_computes(overlay, tmp_path):
         def steps():
             return requests.get(srv.url + "/server_info", timeout=10).json()["counters"]["steps"]
 
-        def send_together():
-            status = []
-            threads = [threading.Thread(target=lambda r=r: status.append(requests.post(
-                srv.url + "/classify", json={"input_ids": r}, timeout=120).status_code)) for r in requests_rows]
-            for t in threads:
-                t.start()
-                time.sleep(0.05)
-            for t in threads:
-                t.join()
-            assert status == [200] * 4
-
-        send_together()  # cold: the states are cached
+        send_together(srv.url, requests_rows)  # cold: the states are cached
         before = steps()
-        send_together()
+        send_together(srv.url, requests_rows)
         assert steps() - before == 1, f"a warm pass of four requests sent together ran in {steps() - before} steps"
     finally:
         srv.stop()
@@ -500,9 +502,6 @@ def test_a_cold_pass_of_option_groups_counts_each_premise_once_against_the_step_
     exceed the step budget but whose computed tokens (each shared premise once) do not, run in one
     step, as they would with a budget over their raw tokens (on the H100 a flushed pass ran as two
     steps of 65,536 raw tokens, 1.35-1.73 s, against one of 1.27-1.35 s)."""
-    import threading
-    import time
-
     from openjev.engine.classifier import load_classifier
     from openjev.engine.prefix import PrefixEngine
 
@@ -517,16 +516,8 @@ def test_a_cold_pass_of_option_groups_counts_each_premise_once_against_the_step_
     try:
         info = lambda: requests.get(srv.url + "/server_info", timeout=10).json()["counters"]  # noqa: E731
         before = info()
-        status = []
-        threads = [threading.Thread(target=lambda r=r: status.append(requests.post(
-            srv.url + "/classify", json={"input_ids": r}, timeout=120).status_code)) for r in requests_rows]
-        for t in threads:
-            t.start()
-            time.sleep(0.05)
-        for t in threads:
-            t.join()
+        send_together(srv.url, requests_rows)
         after = info()
-        assert status == [200] * 4
         assert after["steps"] - before["steps"] == 1, f"a cold pass ran in {after['steps'] - before['steps']} steps"
         assert after["computed_tokens"] - before["computed_tokens"] == computed
     finally:
