@@ -177,7 +177,7 @@ def test_prefix_path_matches_the_exact_forward_cold_and_warm(clf, budget_mb, att
     assert cold.computed_tokens < total and cold.reused_tokens == total - cold.computed_tokens
     warm = engine.run_step(rows, max_rows=8)
     assert np.abs(warm.logits - ref).max() <= TOL
-    costs = [engine.step_tokens(r) for r in rows]  # what the planner counts for a row now
+    costs = [engine.step_cost()(r) for r in rows]  # what the planner counts for a row alone now
     if budget_mb:  # every row comes from its cached state but its tail
         assert sum(costs) == tails(rows)
     else:
@@ -262,13 +262,13 @@ def test_a_rows_cached_prefix_is_looked_up_once_while_the_cache_is_unchanged(clf
     find = engine.cache.find
     monkeypatch.setattr(engine.cache, "find", lambda row, *a: searched.append(len(row)) or find(row, *a))
     later = [list(r) for r in rows]  # the same tokens arriving again, as new row objects
-    assert [engine.step_tokens(r) for r in later] == [engine.step_tokens(r) for r in later]
+    assert [engine.step_cost()(r) for r in later] == [engine.step_cost()(r) for r in later]
     assert len(searched) == len(rows)
     warm = engine.run_step(later, max_rows=8)
     assert len(searched) == len(rows) and warm.reused_tokens > 0  # the step took the planned answers
     assert engine.stats()["cache"]["hits"] >= len(rows)
     again = [list(r) for r in rows]
-    before = [engine.step_tokens(r) for r in again]
+    before = [engine.step_cost()(r) for r in again]
     engine.cache.clear()  # the cache changes after planning: the step searches again and runs whole rows
     cold = engine.run_step(again, max_rows=8)
     assert len(searched) == 3 * len(rows) and before == [len(r) - (len(r) - 1) // 64 * 64 for r in rows]

@@ -139,7 +139,8 @@ def divergence(clf, forwards, rows, picks) -> dict:
 
 
 def plan_cost(eng):
-    """The prefix engine's cost of rows a plan (a baseline tree's engine may cost each row alone)."""
+    """The prefix engine's cost of rows a plan (a baseline tree's engine may cost each row alone, by its
+    step_tokens)."""
     return getattr(eng, "step_cost", None) or (lambda: eng.step_tokens)
 
 

@@ -561,31 +561,25 @@ class PrefixEngine:
         that Transformers pools the same token as for the exact forward (its rightmost non-pad token)."""
         return (len(row) - 1) // GDN_CHUNK * GDN_CHUNK if row[-1] != self.clf.pad_token_id else 0
 
-    def step_tokens(self, row) -> int:
-        """The tokens `row` would compute if it ran now: those after its longest cached prefix (what the
-        scheduler's step budget counts, as SGLang's counts the tokens after a prefix match)."""
-        limit = self.state_limit(row)
-        return len(row) - (self._lookup(row, limit).cached if self.cache is not None and limit > 0 else 0)
-
     def step_cost(self):
-        """A cost of rows for one step plan (the scheduler's `plan_step`): the tokens the step computes for
-        a row given the rows costed before it in the same plan, those after the longer of its cached
-        prefix and the longest prefix it shares with them (at chunk boundaries, within its attention
-        group, at least min_tokens beyond the cached one), as run_step shares prefixes: the first row of
-        a shared prefix pays for it, the others for their own tokens only. So a cold step of option
-        groups counts its premises once against the step budget, as it runs them."""
+        """A cost of rows for one step plan (the scheduler's `plan_step`, what its step budget counts): the
+        tokens the step computes for a row given the rows costed before it in the same plan, those after
+        the longer of its cached prefix (as SGLang's budget counts the tokens after a prefix match) and
+        the longest prefix it shares with them (at chunk boundaries, within its attention group, at least
+        min_tokens beyond the cached one), as run_step shares prefixes: the first row of a shared prefix
+        pays for it, the others for their own tokens only. So a cold step of option groups counts its
+        premises once against the step budget, as it runs them."""
         seen: set[bytes] = set()
 
         def cost(row) -> int:
             limit = self.state_limit(row)
             if limit == 0:
                 return len(row)
-            entry = self._lookup(row, limit)
-            cached = entry.cached if self.cache is not None else 0
+            entry = self._lookup(row, limit)  # entry.cached stays 0 without a cache
             marks = self._marks(entry, limit)
             shared = next((GDN_CHUNK * (k + 1) for k in range(len(marks) - 1, -1, -1) if marks[k] in seen), 0)
             seen.update(marks)
-            return len(row) - (shared if shared - cached >= self.min_tokens else cached)
+            return len(row) - (shared if shared - entry.cached >= self.min_tokens else entry.cached)
         return cost
 
     def _marks(self, entry: "RowLookup", limit: int) -> list:
