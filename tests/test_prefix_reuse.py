@@ -204,7 +204,7 @@ def test_a_step_plan_counts_what_the_step_computes(clf, budget_mb):
         planned = [cost(r) for r in rows]
         step = engine.run_step(rows, max_rows=8)
         assert sum(planned) == step.computed_tokens < sum(map(len, rows))
-    first = [k for k in range(0, 12, 3)]  # each group's first row pays for its premise when cold
+    first = range(0, 12, 3)  # each group's first row pays for its premise when cold
     cold = PrefixEngine(clf, 0, min_tokens=16).step_cost()
     costs = [cold(r) for r in rows]
     assert all(costs[k] == len(rows[k]) and costs[k + 1] < len(rows[k + 1]) for k in first)

@@ -32,7 +32,6 @@ class Job:
     done_rows: int = 0
     cancelled: bool = False
     queued_at: float = field(default_factory=time.monotonic)
-    first_step_at: float | None = None  # when a step first took its rows
 
 
 @dataclass
@@ -251,11 +250,11 @@ class Engine:
         return self.prefix.step_cost() if self.prefix is not None else len
 
     def _note_first_steps(self, picked, now: float) -> None:
-        """A request's queue time ends when a step first takes its rows (openjev_queue_seconds)."""
-        for job in {id(j): j for j, _ in picked}.values():
-            if job.first_step_at is None:
-                job.first_step_at = now
-                if self.metrics:
+        """A request's queue time ends when a step first takes its rows: the step that takes its row 0
+        (openjev_queue_seconds)."""
+        if self.metrics:
+            for job, i in picked:
+                if i == 0:
                     self.metrics.queue_seconds.observe(now - job.queued_at)
 
     def _gather_arrivals(self) -> None:
