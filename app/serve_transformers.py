@@ -94,13 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="model name in responses (default: the checkpoint directory name)")
     p.add_argument("--step-token-budget", type=int, default=_env_int("OPENJEV_STEP_TOKEN_BUDGET", 16384),
                    help="tokens per scheduling step (with --prefix-reuse a row counts the tokens after its cached "
-                        "prefix): a larger request is split over steps, the requests served the fewest tokens go "
+                        "prefix, or after a longer prefix it shares with a row planned before it in the step): a larger request is split over steps, the requests served the fewest tokens go "
                         "first (a small request behind large ones runs in the next step), and a step's rows are grouped by length into forwards of at most --max-running-requests rows "
                         "(default: 16384, env OPENJEV_STEP_TOKEN_BUDGET)")
     p.add_argument("--batch-wait-ms", type=float, default=float(_env_int("OPENJEV_BATCH_WAIT_MS", 0)),
-                   help="when a request finds the server idle, wait up to this long for others sent with it, so they "
-                        "share the first step (stops early once the step budget is full, counted as the step counts it: with "
-                        "--prefix-reuse the tokens after each row's cached prefix); each such request waits "
+                   help="when a request finds the server idle, wait up to this long, counted from its arrival, for others "
+                        "sent with it, so they share the first step (stops early once the step budget is full, counted as "
+                        "the step counts it: with --prefix-reuse the tokens after each row's cached prefix or a prefix it "
+                        "shares with a row queued before it); each such request waits "
                         "that much longer (default: 0, off; env OPENJEV_BATCH_WAIT_MS)")
     p.add_argument("--max-body-bytes", type=int, default=_env_int("OPENJEV_MAX_BODY_BYTES", contract.DEFAULT_MAX_BODY_BYTES),
                    help="a larger request body gets 413 before it is parsed (default: 32 MiB, env OPENJEV_MAX_BODY_BYTES)")
