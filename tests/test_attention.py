@@ -201,6 +201,22 @@ def test_prefix_attention_mode_is_checked(monkeypatch):
         prefix_attention_mode()
 
 
+def test_attention_streams_are_checked(monkeypatch):
+    from openjev.common import UserError
+    from openjev.engine.attention import side_streams
+    from openjev.engine.kernels import attention_streams
+
+    monkeypatch.delenv("OPENJEV_ATTENTION_STREAMS", raising=False)
+    assert attention_streams() == 4
+    assert side_streams("cpu") == ()  # streams are CUDA's: a CPU forward makes its calls in turn
+    monkeypatch.setenv("OPENJEV_ATTENTION_STREAMS", "1")
+    assert attention_streams() == 1
+    for bad in ("0", "65", "four", "-2"):
+        monkeypatch.setenv("OPENJEV_ATTENTION_STREAMS", bad)
+        with pytest.raises(UserError, match=f"OPENJEV_ATTENTION_STREAMS='{bad}': expected a whole number from 1 to 64"):
+            attention_streams()
+
+
 def test_varlen_modes_are_checked_at_load(monkeypatch):
     """A varlen mode where FlashAttention's varlen call cannot run is one line at load, not a failure
     of every forward: on a CPU, and on a GPU whose probe call fails (a V100, a torch before 2.10)."""
@@ -295,6 +311,38 @@ def test_rows_sharing_a_call_on_a_gpu_are_bitwise_their_own_calls(monkeypatch):
         assert plan.batch is None
         for j, n in enumerate(lengths):
             assert torch.equal(shared[j, :n], each[j, :n]), (args, j, float((shared[j, :n] - each[j, :n]).abs().max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("streams", ["2", "4", "8"])
+def test_own_calls_spread_over_streams_keep_their_bits(monkeypatch, streams):
+    """At Qwen3.5-4B's attention shape in FP16, the rows' own calls made side by side on several CUDA
+    streams (OPENJEV_ATTENTION_STREAMS) give every row the bits of the same calls made in turn on one,
+    rows from prefix states and rows whose calls split their keys included."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.delenv("OPENJEV_PREFIX_ATTENTION", raising=False)
+    monkeypatch.delenv("OPENJEV_PADDED_ATTENTION", raising=False)
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: FlashAttention is a GPU kernel")
+    from openjev.engine import attention
+
+    attention.rowwise_attention()
+    heads, kv_heads, dim = 16, 4, 256
+    module = attention._CheckModule(heads // kv_heads)
+    cases = [((lengths, None, 0, False), _rows(torch, lengths, 0, heads, kv_heads, dim, torch.float16, "cuda",
+                                               nan_outside=True))
+             for lengths in ([900, 1217, 300, 1024, 1500, 37, 130, 700], [64] * 12)]
+    cases += list(_gpu_prefix_cases(torch, heads, kv_heads, dim))
+    for args, (query, key, value) in cases:
+        with monkeypatch.context() as mp:
+            mp.setenv("OPENJEV_ATTENTION_STREAMS", "1")
+            one, _ = _attend(torch, args, query, key, value, module, dim)
+            mp.setenv("OPENJEV_ATTENTION_STREAMS", streams)
+            spread, plan = _attend(torch, args, query, key, value, module, dim)
+        torch.cuda.synchronize()
+        assert plan.own.flash, "the rows' own calls did not run FlashAttention's op"
+        for j, n in enumerate(args[0]):
+            assert torch.equal(spread[j, :n], one[j, :n]), (args[0], j, float((spread[j, :n] - one[j, :n]).abs().max()))
 
 
 def _gpu_prefix_cases(torch, heads, kv_heads, dim):

@@ -20,7 +20,9 @@ Writes OUT/profile.json and OUT/profile_*.txt. Example (GPU machine):
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -134,10 +136,11 @@ def site_table(events, sort: str, rows: int) -> list[str]:
     return out
 
 
-def prof_tables(fn, device, path: Path, rows=30, stack_rows=0):
+def prof_tables(fn, device, path: Path, rows=30, stack_rows=0, trace: Path | None = None):
     """torch.profiler tables of `fn` by operator (self CPU time, self device time) into `path`; with
     `stack_rows`, also that many rows of operators grouped by the Python stack that called them (the
-    last STACK_FRAMES frames), by self device time (self CPU time on a CPU). Returns a summary."""
+    last STACK_FRAMES frames), by self device time (self CPU time on a CPU); with `trace`, the
+    profiler's Chrome trace there, gzipped. Returns a summary."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -150,6 +153,12 @@ def prof_tables(fn, device, path: Path, rows=30, stack_rows=0):
     with profile(activities=acts, **extra) as prof:
         fn()
         sync(device)
+    if trace is not None:
+        raw = trace.with_suffix("")  # NAME.json from NAME.json.gz
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        raw.unlink()
     ka = prof.key_averages()
     text = ["# sorted by self CPU time", ka.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=70)]
     if device.startswith("cuda"):

@@ -70,6 +70,8 @@ def build_parser():
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--stacks", type=int, default=0, metavar="ROWS",
                    help="add to the profile tables ROWS rows of operators grouped by the Python stack that called them")
+    p.add_argument("--trace", action="store_true",
+                   help="also write each profiled pass's Chrome trace (trace_prefix_flushed.json.gz, ...)")
     p.add_argument("--host-profile", action="store_true",
                    help="also cProfile one flushed and one warm pass (host_profile_flushed.txt, host_profile_warm.txt): "
                         "the host's time by Python function, and who called the device-synchronising methods; and the "
@@ -318,7 +320,8 @@ def main() -> int:
         for name, flush in (("flushed", True), ("warm", False)):
             t0 = time.perf_counter()
             summary = prof_tables(one_pass(flush), args.device, args.out / f"profile_prefix_{name}.txt", rows=40,
-                                  stack_rows=args.stacks)
+                                  stack_rows=args.stacks,
+                                  trace=args.out / f"trace_prefix_{name}.json.gz" if args.trace else None)
             summary["wall_us"] = round((time.perf_counter() - t0) * 1e6)
             res[f"profile_prefix_{name}"] = summary
             print(name, "device busy", summary.get("device_us_total"), "of wall", summary["wall_us"], flush=True)

@@ -258,22 +258,67 @@ class OwnCalls:
                 self.buffer = query.new_zeros((heads, total, dim))
             self.buffer[:, q_dst] = query.transpose(1, 2).reshape(rows * width, heads, dim)[q_src].transpose(0, 1)
         scale = kwargs.get("scaling")
-        parts = []  # [heads, n, dim] each
-        for j, n, p, at in direct:
+
+        def call(j, n, p, at):  # -> [heads, n, dim]
             q = self.buffer[None, :, at:at + p + n] if p else query[j:j + 1, :, :n]
             k, v = key[j:j + 1, :, off - p: off + n], value[j:j + 1, :, off - p: off + n]
             if self.flash is None:
                 self.flash = _flash_is_chosen(q, k, v, scale)
             if self.flash:
-                res = torch._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[0]
-                parts.append(res[0, :, p:])
-            else:
-                parts.append(inner(module, q, k, v, None, **kwargs)[0][0, p:].transpose(0, 1))
+                return torch._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[0][0, :, p:]
+            return inner(module, q, k, v, None, **kwargs)[0][0, p:].transpose(0, 1)
+
+        parts = [call(*direct[0])] if direct else []  # the first call decides self.flash
+        streams = side_streams(query.device) if self.flash and len(direct) > 2 else ()
+        if streams:
+            parts += spread_over_streams(streams, [lambda d=d: call(*d) for d in direct[1:]])
+        else:
+            parts += [call(*d) for d in direct[1:]]
         if parts:
             out.view(rows * width, heads, out.shape[-1]).index_copy_(0, o_idx, torch.cat(parts, 1).transpose(0, 1))
         for j, n, p, c in longer:
             q, k, v = query[j:j + 1, :, :n], key[j:j + 1, :, off - p: off + n], value[j:j + 1, :, off - p: off + n]
             out[j:j + 1, :n] = attend_after_prefix(inner, module, q, k, v, p, call=c, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _streams(device: str, count: int) -> tuple:
+    import torch
+
+    return tuple(torch.cuda.Stream(device=device) for _ in range(count))
+
+
+def side_streams(device) -> tuple:
+    """The CUDA streams OPENJEV_ATTENTION_STREAMS asks for on `device` (made once a process); none
+    for 1 or off CUDA."""
+    from openjev.engine.kernels import attention_streams
+
+    count = attention_streams()
+    if count < 2 or getattr(device, "type", str(device).split(":")[0]) != "cuda":
+        return ()
+    return _streams(str(device), count)
+
+
+def spread_over_streams(streams: tuple, calls: list) -> list:
+    """The results of `calls` (each returning a tensor), made in turn on `streams` after everything
+    already queued on the current stream, which then waits for all of them. Each result is made on
+    its side stream and read on the current one: record_stream keeps its memory from being reused
+    before the current stream has read it."""
+    import torch
+
+    main = torch.cuda.current_stream()
+    ready = main.record_event()
+    out = [None] * len(calls)
+    for s, stream in enumerate(streams):
+        stream.wait_event(ready)
+        with torch.cuda.stream(stream):
+            for i in range(s, len(calls), len(streams)):
+                out[i] = calls[i]()
+    for stream in streams:
+        main.wait_stream(stream)
+    for t in out:
+        t.record_stream(main)
+    return out
 
 
 def _flash_is_chosen(q, k, v, scale) -> bool:

@@ -37,6 +37,8 @@ from openjev.common import UserError
 log = logging.getLogger("openjev.kernels")
 PADDED_ATTENTION_ENV = "OPENJEV_PADDED_ATTENTION"  # rowwise (default) | shared | masked (Transformers' masked SDPA)
 PREFIX_ATTENTION_ENV = "OPENJEV_PREFIX_ATTENTION"  # whole-row (default) | varlen | varlen-tails | varlen-exact
+ATTENTION_STREAMS_ENV = "OPENJEV_ATTENTION_STREAMS"  # CUDA streams the rows' own attention calls are spread over
+ATTENTION_STREAMS_DEFAULT = 4
 
 KERNELS_ENV = "OPENJEV_KERNELS"
 KERNEL_MODES = ("auto", "torch")
@@ -455,6 +457,16 @@ def prefix_attention_mode() -> str:
     return mode
 
 
+def attention_streams() -> int:
+    """How many CUDA streams a padded forward's own attention calls (one a row and layer) are spread
+    over, so that calls too small to fill the GPU run side by side; each call is the same kernel on
+    the same inputs on any stream, so its output bits do not change. 1 keeps them on the current stream."""
+    raw = os.environ.get(ATTENTION_STREAMS_ENV, "") or str(ATTENTION_STREAMS_DEFAULT)
+    if not raw.isdigit() or not 1 <= int(raw) <= 64:
+        raise UserError(f"{ATTENTION_STREAMS_ENV}={raw!r}: expected a whole number from 1 to 64")
+    return int(raw)
+
+
 def kernel_path(model) -> dict:
     """What the loaded model's forward runs: GDN chunk kernel, causal conv, attention, versions."""
     import torch
@@ -480,6 +492,7 @@ def kernel_path(model) -> dict:
     info["fla_configs"] = pins_record()
     info["padded_attention"] = padded_attention_mode()
     info["prefix_attention"] = prefix_attention_mode()
+    info["attention_streams"] = attention_streams()
     info["sdp_backends"] = sdp_backends()
     info["fused"] = fused_record(model)
     info["compiled_modules"] = sorted({type(m).__name__ for m in model.modules() if getattr(m, "_openjev_compiled", False)})
