@@ -313,12 +313,9 @@ def test_rows_sharing_a_call_on_a_gpu_are_bitwise_their_own_calls(monkeypatch):
             assert torch.equal(shared[j, :n], each[j, :n]), (args, j, float((shared[j, :n] - each[j, :n]).abs().max()))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("streams", ["2", "4", "8"])
-def test_own_calls_spread_over_streams_keep_their_bits(monkeypatch, streams):
-    """At Qwen3.5-4B's attention shape in FP16, the rows' own calls made side by side on several CUDA
-    streams (OPENJEV_ATTENTION_STREAMS) give every row the bits of the same calls made in turn on one,
-    rows from prefix states and rows whose calls split their keys included."""
+def _own_calls_on_the_gpu(monkeypatch):
+    """(torch, openjev.engine.attention with the row-by-row function installed, its check module for 16
+    query and 4 key-value heads) with the attention variables unset; skips where there is no CUDA device."""
     torch = pytest.importorskip("torch")
     monkeypatch.delenv("OPENJEV_PREFIX_ATTENTION", raising=False)
     monkeypatch.delenv("OPENJEV_PADDED_ATTENTION", raising=False)
@@ -327,8 +324,17 @@ def test_own_calls_spread_over_streams_keep_their_bits(monkeypatch, streams):
     from openjev.engine import attention
 
     attention.rowwise_attention()
+    return torch, attention, attention._CheckModule(4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("streams", ["2", "4", "8"])
+def test_own_calls_spread_over_streams_keep_their_bits(monkeypatch, streams):
+    """At Qwen3.5-4B's attention shape in FP16, the rows' own calls made side by side on several CUDA
+    streams (OPENJEV_ATTENTION_STREAMS) give every row the bits of the same calls made in turn on one,
+    rows from prefix states and rows whose calls split their keys included."""
+    torch, attention, module = _own_calls_on_the_gpu(monkeypatch)
     heads, kv_heads, dim = 16, 4, 256
-    module = attention._CheckModule(heads // kv_heads)
     cases = [((lengths, None, 0, False), _rows(torch, lengths, 0, heads, kv_heads, dim, torch.float16, "cuda",
                                                nan_outside=True))
              for lengths in ([900, 1217, 300, 1024, 1500, 37, 130, 700], [64] * 12)]
@@ -455,16 +461,8 @@ def test_own_calls_on_a_gpu_are_bitwise_transformers_calls(monkeypatch):
     """At Qwen3.5-4B's attention shape in FP16, the rows' own calls with FlashAttention's op called
     directly (SDPA's dispatcher picks it on SM80/SM90) are bit for bit the calls Transformers' SDPA
     function makes of each row's zero-extended queries, rows with and without a prefix."""
-    torch = pytest.importorskip("torch")
-    monkeypatch.delenv("OPENJEV_PREFIX_ATTENTION", raising=False)
-    monkeypatch.delenv("OPENJEV_PADDED_ATTENTION", raising=False)
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device: FlashAttention is a GPU kernel")
-    from openjev.engine import attention
-
-    attention.rowwise_attention()
+    torch, attention, module = _own_calls_on_the_gpu(monkeypatch)
     heads, kv_heads, dim = 16, 4, 256
-    module = attention._CheckModule(heads // kv_heads)
     inner = attention._INNER[0]
     for lengths, starts, offset in [([37, 300, 1, 64], [1280, 640, 896, 1408], 1408),
                                     ([37, 3, 700, 1217], [1280, 64, 0, 0], 1280),
