@@ -271,7 +271,7 @@ class OwnCalls:
         parts = [call(*direct[0])] if direct else []  # the first call decides self.flash
         streams = side_streams(query.device) if self.flash and len(direct) > 2 else ()
         if streams:
-            parts += spread_over_streams(streams, [lambda d=d: call(*d) for d in direct[1:]])
+            parts += spread_over_streams(streams, call, direct[1:])
         else:
             parts += [call(*d) for d in direct[1:]]
         if parts:
@@ -299,25 +299,24 @@ def side_streams(device) -> tuple:
     return _streams(str(device), count)
 
 
-def spread_over_streams(streams: tuple, calls: list) -> list:
-    """The results of `calls` (each returning a tensor), made in turn on `streams` after everything
-    already queued on the current stream, which then waits for all of them. Each result is made on
-    its side stream and read on the current one: record_stream keeps its memory from being reused
-    before the current stream has read it."""
+def spread_over_streams(streams: tuple, fn, args: list) -> list:
+    """[fn(*a) for a in args] (each a tensor), made in turn on `streams` after everything already queued
+    on the current stream, which then waits for them all. A result is allocated on its side stream and
+    read on the current one; its memory may go back to that stream's pool as soon as the caller drops
+    it, and the next use of the pool is work queued after the side stream next waits on the current
+    one (as here, first thing), so no record_stream is needed (it cost host time on a thousand calls)."""
     import torch
 
     main = torch.cuda.current_stream()
     ready = main.record_event()
-    out = [None] * len(calls)
+    out = [None] * len(args)
     for s, stream in enumerate(streams):
         stream.wait_event(ready)
         with torch.cuda.stream(stream):
-            for i in range(s, len(calls), len(streams)):
-                out[i] = calls[i]()
+            for i in range(s, len(args), len(streams)):
+                out[i] = fn(*args[i])
     for stream in streams:
         main.wait_stream(stream)
-    for t in out:
-        t.record_stream(main)
     return out
 
 
