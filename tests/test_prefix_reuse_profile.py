@@ -4,6 +4,7 @@ forward is counted as, and the host profile (on a GPU the same script wrote resu
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -62,17 +63,23 @@ def test_a_malformed_forward_cost_list_is_one_line_before_any_work(tmp_path):
 
 def test_profile_tables_sum_operator_time_by_call_site(overlay, tmp_path):
     """--stacks adds to each profile table the operators' time summed by their innermost call site in
-    openjev, Transformers or fla (one line however many module instances pass through it)."""
+    openjev, Transformers or fla (one line however many module instances pass through it); --trace
+    writes each profiled pass's Chrome trace, gzipped, with the prefix path's phases in it."""
     run_script("make_synthetic_inputs.py", tmp_path / "set", "--rows", "8", "--premise-tokens", "100:200",
                "--vocab", "512", "--seed", "6", check=True)
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--model", str(overlay), "--tokens",
                            str(tmp_path / "set.tokens.jsonl"), "--out", str(out), "--device", "cpu",
                            "--modes", "prefix_flushed", "--passes", "1", "--batch", "4", "--workers", "2",
-                           "--max-rows", "4", "--step-tokens", "4096", "--stacks", "8"],
+                           "--max-rows", "4", "--step-tokens", "4096", "--stacks", "8", "--trace"],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = (out / "profile_prefix_flushed.txt").read_text()
     sites = text.split("# by call site", 1)[1].split("# by calling Python stack", 1)[0].splitlines()[2:]
     assert len(sites) == 8 and all(" @ " in line for line in sites), sites
     assert any("@ transformers/" in line or "@ openjev/" in line for line in sites), sites
+    for name in ("flushed", "warm"):
+        with gzip.open(out / f"trace_prefix_{name}.json.gz", "rt") as f:
+            events = json.load(f)["traceEvents"]
+        assert any(e.get("name", "").startswith("openjev.prefix.") for e in events), name
+        assert not (out / f"trace_prefix_{name}.json").exists()
