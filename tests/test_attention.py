@@ -207,10 +207,10 @@ def test_attention_streams_are_checked(monkeypatch):
     from openjev.engine.kernels import attention_streams
 
     monkeypatch.delenv("OPENJEV_ATTENTION_STREAMS", raising=False)
-    assert attention_streams() == 1
-    assert side_streams("cpu") == ()  # streams are CUDA's: a CPU forward makes its calls in turn
-    monkeypatch.setenv("OPENJEV_ATTENTION_STREAMS", "4")
     assert attention_streams() == 4
+    assert side_streams("cpu") == ()  # streams are CUDA's: a CPU forward makes its calls in turn
+    monkeypatch.setenv("OPENJEV_ATTENTION_STREAMS", "1")
+    assert attention_streams() == 1
     assert side_streams("cpu") == ()
     for bad in ("0", "65", "four", "-2"):
         monkeypatch.setenv("OPENJEV_ATTENTION_STREAMS", bad)
