@@ -218,6 +218,32 @@ def test_attention_streams_are_checked(monkeypatch):
             attention_streams()
 
 
+def test_each_thread_spreads_over_its_own_streams(monkeypatch):
+    """Side streams are made once a thread: a side stream two threads' forwards shared could hand one's
+    freed result memory to the other's next call before the first thread's current stream had read it."""
+    import threading
+
+    import torch
+
+    from openjev.engine import attention
+
+    class FakeStream:
+        def __init__(self, device=None):
+            self.device = device
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setenv("OPENJEV_ATTENTION_STREAMS", "3")
+    attention._streams.cache_clear()
+    mine = attention.side_streams("cuda:0")
+    assert len(mine) == 3 and attention.side_streams("cuda:0") is mine
+    theirs = []
+    worker = threading.Thread(target=lambda: theirs.append(attention.side_streams("cuda:0")))
+    worker.start()
+    worker.join()
+    assert len(theirs[0]) == 3 and not set(map(id, theirs[0])) & set(map(id, mine))
+    attention._streams.cache_clear()
+
+
 def test_varlen_modes_are_checked_at_load(monkeypatch):
     """A varlen mode where FlashAttention's varlen call cannot run is one line at load, not a failure
     of every forward: on a CPU, and on a GPU whose probe call fails (a V100, a torch before 2.10)."""

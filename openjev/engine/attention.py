@@ -32,6 +32,7 @@ import contextlib
 import contextvars
 import functools
 import logging
+import threading
 from dataclasses import dataclass, field
 
 from openjev.engine.transfer import to_device
@@ -282,21 +283,22 @@ class OwnCalls:
 
 
 @functools.lru_cache(maxsize=None)
-def _streams(device: str, count: int) -> tuple:
+def _streams(device: str, count: int, thread: int) -> tuple:
     import torch
 
     return tuple(torch.cuda.Stream(device=device) for _ in range(count))
 
 
 def side_streams(device) -> tuple:
-    """The CUDA streams OPENJEV_ATTENTION_STREAMS asks for on `device` (made once a process); none
-    for 1 or off CUDA."""
+    """The CUDA streams OPENJEV_ATTENTION_STREAMS asks for on `device`, made once a thread (see
+    spread_over_streams: a side stream is ordered after one thread's current stream only); none for 1
+    or off CUDA."""
     from openjev.engine.kernels import attention_streams
 
     count = attention_streams()
     if count < 2 or getattr(device, "type", str(device).split(":")[0]) != "cuda":
         return ()
-    return _streams(str(device), count)
+    return _streams(str(device), count, threading.get_ident())
 
 
 def spread_over_streams(streams: tuple, fn, args: list) -> list:
@@ -304,7 +306,8 @@ def spread_over_streams(streams: tuple, fn, args: list) -> list:
     on the current stream, which then waits for them all. A result is allocated on its side stream and
     read on the current one; its memory may go back to that stream's pool as soon as the caller drops
     it, and the next use of the pool is work queued after the side stream next waits on the current
-    one (as here, first thing), so no record_stream is needed (it cost host time on a thousand calls)."""
+    one (as here, first thing; the streams are this thread's, side_streams), so no record_stream is
+    needed (it cost host time on a thousand calls)."""
     import torch
 
     main = torch.cuda.current_stream()
