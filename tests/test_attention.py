@@ -233,7 +233,7 @@ def test_each_thread_spreads_over_its_own_streams(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     monkeypatch.setenv("OPENJEV_ATTENTION_STREAMS", "3")
-    attention._streams.cache_clear()
+    monkeypatch.setattr(attention, "_THREAD", threading.local())  # none made before; the fakes go with the test
     mine = attention.side_streams("cuda:0")
     assert len(mine) == 3 and attention.side_streams("cuda:0") is mine
     theirs = []
@@ -241,7 +241,6 @@ def test_each_thread_spreads_over_its_own_streams(monkeypatch):
     worker.start()
     worker.join()
     assert len(theirs[0]) == 3 and not set(map(id, theirs[0])) & set(map(id, mine))
-    attention._streams.cache_clear()
 
 
 def test_varlen_modes_are_checked_at_load(monkeypatch):

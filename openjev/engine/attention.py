@@ -282,11 +282,7 @@ class OwnCalls:
             out[j:j + 1, :n] = attend_after_prefix(inner, module, q, k, v, p, call=c, **kwargs)
 
 
-@functools.lru_cache(maxsize=None)
-def _streams(device: str, count: int, thread: int) -> tuple:
-    import torch
-
-    return tuple(torch.cuda.Stream(device=device) for _ in range(count))
+_THREAD = threading.local()  # this thread's side streams, by (device, count)
 
 
 def side_streams(device) -> tuple:
@@ -298,7 +294,13 @@ def side_streams(device) -> tuple:
     count = attention_streams()
     if count < 2 or getattr(device, "type", str(device).split(":")[0]) != "cuda":
         return ()
-    return _streams(str(device), count, threading.get_ident())
+    made = _THREAD.__dict__.setdefault("streams", {})
+    key = (str(device), count)
+    if key not in made:
+        import torch
+
+        made[key] = tuple(torch.cuda.Stream(device=key[0]) for _ in range(count))
+    return made[key]
 
 
 def spread_over_streams(streams: tuple, fn, args: list) -> list:
