@@ -66,7 +66,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "a forward running longer marks the server unhealthy (--watchdog-seconds; 0 off)"),
     EnvVar("OPENJEV_KERNELS", "operator", "auto", "the embedded backend, score_reference.py",
            "torch forces Transformers' PyTorch GDN fallback instead of flash-linear-attention"),
-    EnvVar("OPENJEV_FUSED", "operator", "auto", "the embedded backend", "off keeps every module as Transformers wrote it"),
+    EnvVar("OPENJEV_FUSED", "operator", "auto", "the embedded backend", "off keeps every module as Transformers wrote it; a comma list of pieces (rms_norm, gated_norm, swiglu, conv_silu, grouped_heads) checks and uses those alone"),
     EnvVar("OPENJEV_PACKED_MLP", "operator", "off", "the embedded backend",
            "on: a padded forward runs each MLP on its real tokens only, where a check at load finds that "
            "bitwise the padded rows (bitwise through the server on an H100; a warm prefix pass 6 % faster in process)"),

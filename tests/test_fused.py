@@ -59,7 +59,10 @@ def test_pieces_are_used_only_where_bitwise_and_keep_the_logits(tiny_model):
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     rec = out["record"]
     assert rec["requested"] == "auto" and rec["interpret"] is True and set(rec["pieces"]) == {
-        "rms_norm", "gated_norm", "swiglu", "conv_silu"}
+        "rms_norm", "gated_norm", "swiglu", "conv_silu", "grouped_heads"}
+    # the grouped heads need fla's rule; a CPU has Transformers' fallback, which repeats them itself
+    grouped = rec["pieces"].pop("grouped_heads")
+    assert grouped["used"] is False and "not fla's" in grouped["reason"], grouped
     for piece, r in rec["pieces"].items():
         assert r["used"] == r.get("bitwise_on_check", False), (piece, r)
         if not r["used"]:
@@ -203,6 +206,34 @@ print(json.dumps({"off": off, "cpu": cpu, "bad": bad,
     assert out["off"]["reason"] == "OPENJEV_FUSED=off" and out["off"]["pieces"] == {}
     assert out["cpu"]["reason"].startswith("device cpu") and out["installed"] == []
     assert "OPENJEV_FUSED='fast'" in out["bad"] and "auto, off" in out["bad"]
+
+
+@pytest.mark.skipif(triton_missing is not None, reason=triton_missing or "")
+def test_a_list_of_pieces_checks_and_uses_those_alone(tiny_model):
+    code = r"""
+import json, sys
+from openjev.engine.classifier import load_classifier
+from openjev.engine import fused as _fused
+from openjev.common import UserError
+clf = load_classifier(sys.argv[1], device="cpu", dtype="float16")
+rec = _fused.apply_fused(clf.model, "cpu", "swiglu,rms_norm")
+try:
+    _fused.fused_mode("rms_norm,fast")
+    bad = None
+except UserError as exc:
+    bad = str(exc)
+print(json.dumps({"rec": rec, "bad": bad,
+                  "installed": sorted({type(m).__name__ for m in clf.model.modules() if "forward" in m.__dict__})}))
+""".replace("sys.argv[1]", repr(str(tiny_model["checkpoint"])))
+    proc = run_py(code, {"TRITON_INTERPRET": "1"}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    pieces = out["rec"]["pieces"]
+    assert pieces["rms_norm"]["used"] and pieces["swiglu"]["used"], pieces
+    for p in ("gated_norm", "conv_silu", "grouped_heads"):
+        assert pieces[p] == {"used": False, "reason": "not in OPENJEV_FUSED=swiglu,rms_norm"}, pieces[p]
+    assert out["installed"] == ["Qwen3_5MLP", "Qwen3_5RMSNorm"], out["installed"]
+    assert "OPENJEV_FUSED='rms_norm,fast'" in out["bad"] and "grouped_heads" in out["bad"]
 
 
 def test_server_refuses_an_unknown_fused_mode(overlay, tmp_path):

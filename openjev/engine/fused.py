@@ -6,10 +6,12 @@ GPU, bit for bit what the Transformers modules they replace give (docs/embedded_
   gated_norm  Qwen3_5RMSNormGated: the same variance, the weight, silu(gate) and the product
   swiglu      Qwen3_5MLP: silu(gate) rounded to FP16, times up, rounded
   conv_silu   the GDN causal conv1d + silu in the projection's own layout (the q/k/v reshapes are views)
+  grouped_heads  Qwen3_5GatedDeltaNet: its forward without the key-head repeat, fla reading each key
+              head for its value heads (openjev/engine/gdn.py)
 
 `apply_fused` checks each piece against the module it replaces on this device (`torch.equal` on
 random inputs of several shapes) and uses only those that pass; the reference scorer never calls
-this. OPENJEV_FUSED=auto (default) | off. With TRITON_INTERPRET=1 the kernels run on a CPU
+this. OPENJEV_FUSED=auto (default) | off | a comma list of pieces. With TRITON_INTERPRET=1 the kernels run on a CPU
 (tests/test_fused.py).
 """
 
@@ -22,12 +24,13 @@ import threading
 import time
 
 from openjev.common import UserError
+from openjev.engine.gdn import check_grouped_heads, grouped_heads_forward, kernel_takes_grouped_heads
 
 log = logging.getLogger("openjev.fused")
 
 FUSED_ENV = "OPENJEV_FUSED"
 FUSED_MODES = ("auto", "off")
-PIECES = ("rms_norm", "gated_norm", "swiglu", "conv_silu")
+PIECES = ("rms_norm", "gated_norm", "swiglu", "conv_silu", "grouped_heads")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 try:  # Triton is the GPU extra's; without it every piece stays Transformers' code
@@ -42,9 +45,11 @@ else:
 
 
 def fused_mode(mode: str | None = None) -> str:
+    """auto (every piece), off (none), or a comma list of the pieces to check and use."""
     mode = mode or os.environ.get(FUSED_ENV) or "auto"
-    if mode not in FUSED_MODES:
-        raise UserError(f"{FUSED_ENV}={mode!r}: expected one of {', '.join(FUSED_MODES)}")
+    if mode not in FUSED_MODES and not set(mode.split(",")) <= set(PIECES):
+        raise UserError(f"{FUSED_ENV}={mode!r}: expected one of {', '.join(FUSED_MODES)}, "
+                        f"or a comma list of pieces from {', '.join(PIECES)}")
     return mode
 
 
@@ -422,6 +427,7 @@ MODULE_PIECES = {
     "rms_norm": ("RMSNorm", rms_norm_forward, "weight"),
     "gated_norm": ("RMSNormGated", gated_norm_forward, "weight"),
     "swiglu": ("MLP", swiglu_forward, "gate_proj"),
+    "grouped_heads": ("GatedDeltaNet", grouped_heads_forward, "in_proj_qkv"),
 }
 CHECK_SHAPES = ((1, 37), (3, 129), (2, 300))  # (rows, length) of the random inputs
 
@@ -488,7 +494,15 @@ def _check_piece(piece: str, model, modeling, device, dtype) -> dict:
         return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
 
     variance = None  # how a norm piece sums its variance
-    if piece in MODULE_PIECES:
+    if piece == "grouped_heads":
+        m = _first(model, "GatedDeltaNet")
+        if m is None or not hasattr(m, "in_proj_qkv") or m.num_v_heads == m.num_k_heads:
+            return {"used": False, "reason": "no GatedDeltaNet module with fewer key heads than value heads"}
+        takes, why = kernel_takes_grouped_heads(modeling)
+        if not takes:
+            return {"used": False, "reason": why}
+        same, worst = check_grouped_heads(m, modeling, rnd, CHECK_SHAPES)
+    elif piece in MODULE_PIECES:
         suffix, forward, _ = MODULE_PIECES[piece]
         m = _first(model, suffix)
         if m is None or (piece == "swiglu" and not _is_silu(getattr(m, "act_fn", None))):
@@ -586,8 +600,12 @@ def apply_fused(model, device: str, mode: str | None = None) -> dict:
         record["reason"] = f"model dtype {dtype}: the pieces round to FP16/BF16 as the half-precision forward does"
         return _remember(model, record)
     t0 = time.perf_counter()
+    asked = PIECES if mode == "auto" else mode.split(",")
     with torch.inference_mode():
         for piece in PIECES:
+            if piece not in asked:
+                record["pieces"][piece] = {"used": False, "reason": f"not in {FUSED_ENV}={mode}"}
+                continue
             try:
                 record["pieces"][piece] = _check_piece(piece, model, modeling, device, dtype)
             except Exception as exc:  # noqa: BLE001 - a kernel that does not compile or run here

@@ -537,6 +537,9 @@ def _warm_fla_shapes(clf, max_rows: int, max_tokens: int) -> dict:
 
     text = clf.model.config.get_text_config()
     heads, dk, dv = text.linear_num_value_heads, text.linear_key_head_dim, text.linear_value_head_dim
+    fused = getattr(clf.model, "_openjev_fused", None) or {}
+    grouped = fused.get("pieces", {}).get("grouped_heads", {}).get("used", False)
+    qk_heads = text.linear_num_key_heads if grouped else heads  # the query/key heads the forward hands fla
     dt = clf.model.dtype
     t0 = time.perf_counter()
     nbs = list(range(1, -(-max_tokens * heads // 65536) + 1))
@@ -544,7 +547,7 @@ def _warm_fla_shapes(clf, max_rows: int, max_tokens: int) -> dict:
         for nb in nbs:
             l2norm_fwd(torch.randn(nb * 65536, dk, device=clf.device, dtype=dt))
         for b in range(1, max_rows + 1):
-            q, k = (torch.randn(b, 64, heads, dk, device=clf.device, dtype=dt) for _ in range(2))
+            q, k = (torch.randn(b, 64, qk_heads, dk, device=clf.device, dtype=dt) for _ in range(2))
             v = torch.randn(b, 64, heads, dv, device=clf.device, dtype=dt)
             g = -torch.rand(b, 64, heads, device=clf.device)
             beta = torch.rand(b, 64, heads, device=clf.device, dtype=dt)
@@ -552,7 +555,8 @@ def _warm_fla_shapes(clf, max_rows: int, max_tokens: int) -> dict:
         torch.cuda.synchronize()
     seconds = round(time.perf_counter() - t0, 3)
     log.info("fla autotune warm-up: l2norm NB 1..%d, batch sizes 1..%d in %.1f s", nbs[-1], max_rows, seconds)
-    return {"l2norm_nb": [1, nbs[-1]], "batch_sizes": [1, max_rows], "max_tokens": max_tokens, "seconds": seconds}
+    return {"l2norm_nb": [1, nbs[-1]], "batch_sizes": [1, max_rows], "max_tokens": max_tokens, "qk_heads": qk_heads,
+            "seconds": seconds}
 
 
 def compile_pointwise(model) -> int:
