@@ -56,9 +56,9 @@ def grouped_heads_forward(m, hidden_states, cache_params=None, attention_mask=No
 
 def kernel_takes_grouped_heads(modeling) -> tuple[bool, str]:
     """Whether the chunked rule the GDN layers call is fla's (which takes the grouped layout)."""
-    from openjev.engine.kernels import _bound, _describe
+    from openjev.engine.binding import bound_implementation, describe
 
-    name = _describe(_bound(getattr(modeling, "torch_chunk_gated_delta_rule", None))) or ""
+    name = describe(bound_implementation(getattr(modeling, "torch_chunk_gated_delta_rule", None))) or ""
     if name.startswith("fla."):
         return True, name
     return False, f"the GDN rule is {name or 'unknown'}, not fla's: it needs the repeated key heads"
@@ -70,10 +70,17 @@ def check_grouped_heads(m, modeling, rnd, shapes) -> tuple[bool, float]:
     repeated heads against grouped ones; (bitwise everywhere, the largest difference)."""
     import torch
 
-    from openjev.engine.fused import _equal_on
+    same, worst = True, 0.0
 
-    ins = [(rnd(b, t, m.hidden_size),) for b, t in shapes]
-    same, worst = _equal_on(lambda x: type(m).forward(m, x), lambda x: grouped_heads_forward(m, x), ins)
+    def compare(want, got):
+        nonlocal same, worst
+        if not torch.equal(want, got):
+            same = False
+            worst = max(worst, float((want.float() - got.float()).abs().max()))
+
+    for b, t in shapes:
+        x = rnd(b, t, m.hidden_size)
+        compare(type(m).forward(m, x), grouped_heads_forward(m, x))
     heads, k_heads = m.num_v_heads, m.num_k_heads
     rule = modeling.torch_chunk_gated_delta_rule
     for b, t in shapes:
@@ -87,7 +94,5 @@ def check_grouped_heads(m, modeling, rnd, shapes) -> tuple[bool, float]:
                     initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
         got = rule(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
         for x, y in zip(want, got):
-            if not torch.equal(x, y):
-                same = False
-                worst = max(worst, float((x.float() - y.float()).abs().max()))
+            compare(x, y)
     return same, worst

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from openjev.common import UserError
+from openjev.engine.binding import bound_implementation, describe
 
 log = logging.getLogger("openjev.kernels")
 PADDED_ATTENTION_ENV = "OPENJEV_PADDED_ATTENTION"  # rowwise (default) | shared | masked (Transformers' masked SDPA)
@@ -417,24 +418,6 @@ def select_kernels(device: str, config: dict | None = None, mode: str | None = N
     return decision
 
 
-def _bound(func) -> object:
-    """The implementation a Transformers fallback wrapper calls (its closure's `implementation`)."""
-    seen = 0
-    while func is not None and seen < 5:
-        nonlocals = inspect.getclosurevars(func).nonlocals if inspect.isfunction(func) else {}
-        if "implementation" in nonlocals:
-            return nonlocals["implementation"]
-        func = getattr(func, "__wrapped__", None)
-        seen += 1
-    return None
-
-
-def _describe(func) -> str | None:
-    if func is None:
-        return None
-    return f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', getattr(func, '__name__', '?'))}"
-
-
 def padded_attention_mode() -> str:
     mode = os.environ.get(PADDED_ATTENTION_ENV, "rowwise") or "rowwise"
     if mode not in ("rowwise", "shared", "masked"):
@@ -476,9 +459,9 @@ def kernel_path(model) -> dict:
     info: dict = {"gdn": None, "gdn_chunk_kernel": None, "causal_conv1d": None}
     modeling = gdn_modeling(model)
     if modeling is not None:
-        chunk = _bound(getattr(modeling, "torch_chunk_gated_delta_rule", None))
-        conv = _bound(getattr(modeling, "causal_conv1d_fn", None))
-        info["gdn_chunk_kernel"], info["causal_conv1d"] = _describe(chunk), _describe(conv)
+        chunk = bound_implementation(getattr(modeling, "torch_chunk_gated_delta_rule", None))
+        conv = bound_implementation(getattr(modeling, "causal_conv1d_fn", None))
+        info["gdn_chunk_kernel"], info["causal_conv1d"] = describe(chunk), describe(conv)
         name = info["gdn_chunk_kernel"] or ""
         info["gdn"] = "fla" if name.startswith("fla.") else ("torch-fallback" if name.startswith("transformers.")
                                                               else (name or "unknown"))
