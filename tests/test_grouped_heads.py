@@ -93,3 +93,67 @@ def test_the_check_passes_a_grouped_rule_and_refuses_one_a_bit_off(clf, monkeypa
     with torch.inference_mode():
         same, worst = check_grouped_heads(m, modeling, rnd, shapes)
     assert not same and 0 < worst < 1e-3
+
+
+SPLIT_CONV = r"""
+import functools, sys
+import numpy as np, torch
+sys.path.insert(0, sys.argv[2])
+from test_grouped_heads import _rows, grouped_rule
+from openjev.engine import fused as _fused
+from openjev.engine.classifier import load_classifier, score_exact, score_padded
+from openjev.engine.prefix import PrefixEngine
+
+g = torch.Generator().manual_seed(2)
+w = torch.randn(40, 4, generator=g).half()
+for length in (1, 3, 70):
+    x = (torch.randn(2, length, 40, generator=g) * 3).half()
+    st = (torch.randn(2, 40, 4, generator=g) * 3).half()
+    for state in (None, st):
+        parts = _fused.conv_silu_blc(x, w, state=state, split=12)
+        assert [tuple(p.shape) for p in parts] == [(2, length, 12), (2, length, 12), (2, length, 16)]
+        assert all(p.is_contiguous() for p in parts)
+        assert torch.equal(torch.cat(parts, -1), _fused.conv_silu_blc(x, w, state=state)), (length, state is None)
+
+clf = load_classifier(sys.argv[1], device="cpu", dtype="float16")
+rec = _fused.apply_fused(clf.model, "cpu")
+assert rec["pieces"]["conv_silu"]["cached_layout"]["used"] and not rec["pieces"]["grouped_heads"]["used"], rec
+rows = _rows(clf.vocab_size)
+def scores():
+    engine = PrefixEngine(clf, 64 << 20, min_tokens=16)
+    return [score_exact(clf, rows), score_padded(clf, rows), engine.run_step(rows, max_rows=8).logits,
+            engine.run_step(rows, max_rows=8).logits]
+want = scores()
+modeling = _fused.gdn_modeling(clf.model)
+modeling.torch_chunk_gated_delta_rule = grouped_rule(modeling.torch_chunk_gated_delta_rule, [])
+splits = []
+def counted(x, *a):
+    state = getattr(_fused._DEFERRED, "pair", None)
+    out = _fused.conv_silu_qkv(x, *a)
+    splits.append((out is not None, state is not None))
+    return out
+for m in _fused._text_modules(clf.model, "GatedDeltaNet"):
+    m.forward = functools.partial(_fused.grouped_heads_forward, m, conv_qkv=counted)
+got = scores()
+for name, a, b in zip(("exact", "padded", "prefix cold", "prefix warm"), want, got):
+    assert np.array_equal(a, b), name
+# the load check as it runs where fla's rule is bound: with the conv's outputs written apart
+_fused.kernel_takes_grouped_heads = lambda modeling: (True, "a grouped stand-in")
+checked = _fused._check_piece("grouped_heads", clf.model, modeling, "cpu", torch.float16, rec["pieces"])
+assert checked["used"] and checked["bitwise_on_check"], checked
+print(sum(s for s, _ in splits), sum(s and st for s, st in splits), len(splits))
+"""
+
+
+def test_the_conv_writes_query_key_and_value_apart_and_keeps_every_bit(tiny_model):
+    """conv_silu_blc's split outputs are its whole output cut in three (with and without a prefix
+    state), and the tiny model in FP16 under Triton's interpreter, fused pieces installed, gives the same
+    logits, exact, padded and from prefix states, with the grouped forward writing the conv apart; the
+    load check passes that forward."""
+    pytest.importorskip("triton")
+    from conftest import REPO, run_py
+
+    proc = run_py(SPLIT_CONV, {"TRITON_INTERPRET": "1"}, timeout=900, args=(tiny_model["checkpoint"], REPO / "tests"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    split, from_state, calls = map(int, proc.stdout.split()[-3:])
+    assert calls > 0 and split == calls and 0 < from_state < calls, (split, from_state, calls)

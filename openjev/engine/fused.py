@@ -142,7 +142,21 @@ if triton is not None:
         tl.store(Y + offs, (s * u).to(Y.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _conv_silu_kernel(X, W, Y, length, channels, K: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _conv_out(Y, row, c, channels, rows, SPLIT: tl.constexpr):
+        # where output (row, channel c) goes: Y [rows, channels], or with SPLIT = s > 0 three
+        # contiguous matrices one after the other, [rows, s], [rows, s] and [rows, channels - 2 s]
+        # (the GDN layer's query, key and value channels)
+        if SPLIT > 0:
+            in_k = c >= SPLIT
+            in_v = c >= 2 * SPLIT
+            start = tl.where(in_v, 2 * SPLIT, tl.where(in_k, SPLIT, 0))
+            width = tl.where(in_v, channels - 2 * SPLIT, SPLIT)
+            return Y + start.to(tl.int64) * rows + row.to(tl.int64) * width + (c - start)
+        return Y + row * channels + c
+
+    @triton.jit
+    def _conv_silu_kernel(X, W, Y, length, channels, K: tl.constexpr, BLOCK_C: tl.constexpr,
+                          SPLIT: tl.constexpr = 0):
         # one (row, position) per program along axis 0, BLOCK_C channels along axis 1;
         # X and Y are [batch, length, channels] contiguous, W is [channels, K]
         bt = tl.program_id(0).to(tl.int64)
@@ -157,7 +171,8 @@ if triton is not None:
             w = tl.load(W + c * K + k, mask=cm, other=0.0).to(tl.float32)
             acc = tl.fma(w, x, acc)
         y = acc.to(Y.dtype.element_ty).to(tl.float32)  # the conv's output tensor, then silu on it
-        tl.store(Y + bt * channels + c, _silu_f32(y).to(Y.dtype.element_ty), mask=cm)
+        out = _conv_out(Y, bt, c, channels, tl.num_programs(0).to(tl.int64), SPLIT)
+        tl.store(out, _silu_f32(y).to(Y.dtype.element_ty), mask=cm)
 
 
     @triton.jit
@@ -184,7 +199,8 @@ if triton is not None:
 
     @triton.jit
     def _conv_silu_state_kernel(X, S, W, Y, length, channels, state_len, sxb, sxt, sxc, ssb, ssc, sst,
-                                K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, WIDE: tl.constexpr):
+                                K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, WIDE: tl.constexpr,
+                                SPLIT: tl.constexpr = 0):
         # _conv_silu_strided_kernel's arithmetic on the prefix state S [batch, channels, state_len] followed
         # by the new inputs X [batch, length, channels] (any strides), without concatenating them:
         # a tap before the first new input reads the state's last columns; Y [batch, length, channels].
@@ -220,7 +236,11 @@ if triton is not None:
                 w = tl.load(W + c * K + k, mask=cm, other=0.0).to(tl.float32)
                 acc = tl.fma(w[None, :], x, acc)
         y = acc.to(Y.dtype.element_ty).to(tl.float32)
-        out = Y + b * length * channels + (t[:, None] * channels + c[None, :])
+        if SPLIT > 0:
+            rows = (tl.num_programs(0) // tiles).to(tl.int64) * length
+            out = _conv_out(Y, b * length + t[:, None], c[None, :], channels, rows, SPLIT)
+        else:
+            out = Y + b * length * channels + (t[:, None] * channels + c[None, :])
         tl.store(out, _silu_f32(y).to(Y.dtype.element_ty), mask=m)
 
 
@@ -288,27 +308,38 @@ CONV_STATE_BLOCK = (32, 64)  # (positions, channels) a program of the state kern
 CONV_STATE_WARPS = 4
 
 
-def conv_silu_blc(x, w, state=None):
+def conv_silu_blc(x, w, state=None, split: int = 0):
     """x [B, L, C] (any strides), w [C, K] -> silu(causal depthwise conv) as [B, L, C] contiguous. With
     `state` [B, C, S] (S >= K - 1, any strides), the inputs before x's first are the state's last
-    columns: the conv of the concatenation [state, x], its first S outputs left out."""
+    columns: the conv of the concatenation [state, x], its first S outputs left out. With `split` s
+    (x contiguous or a state given), the same outputs as three contiguous tensors [B, L, s], [B, L, s]
+    and [B, L, C - 2 s] (the GDN layer's query, key and value channels)."""
     import torch
 
     b, length, channels = x.shape
-    y = torch.empty((b, length, channels), dtype=x.dtype, device=x.device)
+    if split:
+        if state is None and not x.is_contiguous():
+            raise ValueError("conv_silu_blc: split outputs need a contiguous input or a state")
+        buf = torch.empty(b * length * channels, dtype=x.dtype, device=x.device)
+        n = b * length * split
+        y = buf
+        parts = (buf[:n].view(b, length, split), buf[n:2 * n].view(b, length, split),
+                 buf[2 * n:].view(b, length, channels - 2 * split))
+    else:
+        y = torch.empty((b, length, channels), dtype=x.dtype, device=x.device)
     if state is not None:
         block_t, block_c = CONV_STATE_BLOCK
         # the largest offset within a row, of an input or an output (whose position stride is channels)
         wide = (length + block_t) * max(abs(x.stride(1)), channels) + (channels + block_c) * max(abs(x.stride(2)), 1) >= 2**31
         _conv_silu_state_kernel[(b * triton.cdiv(length, block_t), triton.cdiv(channels, block_c))](
             x, state, w.contiguous(), y, length, channels, state.shape[-1], *x.stride(), *state.stride(),
-            K=w.shape[-1], BLOCK_T=block_t, BLOCK_C=block_c, WIDE=wide, num_warps=CONV_STATE_WARPS)
-        return y
+            K=w.shape[-1], BLOCK_T=block_t, BLOCK_C=block_c, WIDE=wide, num_warps=CONV_STATE_WARPS, SPLIT=split)
+        return parts if split else y
     if x.is_contiguous():
         block_c = 256
         _conv_silu_kernel[(b * length, triton.cdiv(channels, block_c))](
-            x, w.contiguous(), y, length, channels, K=w.shape[-1], BLOCK_C=block_c)
-        return y
+            x, w.contiguous(), y, length, channels, K=w.shape[-1], BLOCK_C=block_c, SPLIT=split)
+        return parts if split else y
     block_t, block_c = 32, 64
     _conv_silu_strided_kernel[(b * triton.cdiv(length, block_t), triton.cdiv(channels, block_c))](
         x, w.contiguous(), y, length, channels, *x.stride(), K=w.shape[-1], BLOCK_T=block_t, BLOCK_C=block_c)
@@ -387,6 +418,34 @@ def _take_deferred(x):
     return pair[1]
 
 
+def conv_silu_qkv(hidden_states, weight, bias, activation, key_dim: int):
+    """For the GDN forward (openjev/engine/gdn.py): the causal conv + silu of `hidden_states` [B, C, L]
+    (as Transformers passes it, with a prefix state a cache layer handed on) as contiguous query, key
+    and value tensors [B, L, key_dim], [B, L, key_dim], [B, L, C - 2 key_dim], where make_conv_wrapper
+    would run the fused kernel on that layout; None elsewhere (the caller then calls the modeling
+    module's causal_conv1d_fn, which takes any handed-on state)."""
+    if (bias is not None or activation != "silu" or hidden_states.dim() != 3 or weight.dtype != hidden_states.dtype
+            or not _lowp(hidden_states, contiguous=False)):
+        return None
+    pair = getattr(_DEFERRED, "pair", None)
+    state = pair[1] if pair is not None and pair[0] is hidden_states else None
+    blc = hidden_states.transpose(1, 2)
+    if state is not None:
+        if weight.data_ptr() not in _CONV_CACHED_WEIGHTS or state.dtype != hidden_states.dtype:
+            return None
+        _DEFERRED.pair = None
+        return conv_silu_blc(blc, weight, state=state, split=key_dim)
+    if not blc.is_contiguous() or weight.data_ptr() not in _CONV_WEIGHTS:
+        return None
+    return conv_silu_blc(blc, weight, split=key_dim)
+
+
+def grouped_heads_fused_forward(m, *args, **kwargs):
+    """The grouped-heads GDN forward (openjev/engine/gdn.py) with the conv's outputs written apart
+    where the fused conv runs."""
+    return grouped_heads_forward(m, *args, conv_qkv=conv_silu_qkv, **kwargs)
+
+
 def make_conv_wrapper(original):
     """A stand-in for the modeling module's causal_conv1d_fn: fused for the registered GDN conv
     weights, whether the input is the transposed view of a contiguous [B, L, C] projection (as the
@@ -427,7 +486,7 @@ MODULE_PIECES = {
     "rms_norm": ("RMSNorm", rms_norm_forward, "weight"),
     "gated_norm": ("RMSNormGated", gated_norm_forward, "weight"),
     "swiglu": ("MLP", swiglu_forward, "gate_proj"),
-    "grouped_heads": ("GatedDeltaNet", grouped_heads_forward, "in_proj_qkv"),
+    "grouped_heads": ("GatedDeltaNet", grouped_heads_fused_forward, "in_proj_qkv"),
 }
 CHECK_SHAPES = ((1, 37), (3, 129), (2, 300))  # (rows, length) of the random inputs
 
@@ -485,7 +544,8 @@ def _check_variance(piece: str, width: int, check) -> tuple[bool, float, str]:
     return same, worst, "x*x, then torch.mean (the one-pass order was not bitwise here)"
 
 
-def _check_piece(piece: str, model, modeling, device, dtype) -> dict:
+def _check_piece(piece: str, model, modeling, device, dtype, done: dict | None = None) -> dict:
+    """One piece against what it replaces on random inputs; `done`: the pieces checked before it."""
     import torch
 
     gen = torch.Generator(device="cpu").manual_seed(14)
@@ -501,7 +561,25 @@ def _check_piece(piece: str, model, modeling, device, dtype) -> dict:
         takes, why = kernel_takes_grouped_heads(modeling)
         if not takes:
             return {"used": False, "reason": why}
-        same, worst = check_grouped_heads(m, modeling, rnd, CHECK_SHAPES)
+        conv = (done or {}).get("conv_silu", {})
+        w = m.conv1d.weight.squeeze(1)
+        cached = bool(conv.get("cached_layout", {}).get("used"))
+        registered = ([_CONV_WEIGHTS] if conv.get("used") else []) + ([_CONV_CACHED_WEIGHTS] if cached else [])
+        for weights in registered:  # the fused conv as it will run, its outputs written apart
+            weights.add(w.data_ptr())
+        try:
+            same, worst = check_grouped_heads(m, modeling, rnd, CHECK_SHAPES, forward=grouped_heads_fused_forward)
+            if cached:  # from a prefix state: apart, and as one tensor
+                for b, t in CHECK_SHAPES:
+                    x, state = rnd(b, t, w.shape[0], scale=2.0), rnd(b, w.shape[0], w.shape[1], scale=2.0)
+                    whole = conv_silu_blc(x, w, state=state)
+                    parts = conv_silu_blc(x, w, state=state, split=m.key_dim)
+                    if not torch.equal(torch.cat(parts, dim=-1), whole):
+                        same = False
+                        worst = max(worst, float((torch.cat(parts, dim=-1).float() - whole.float()).abs().max()))
+        finally:
+            for weights in registered:
+                weights.discard(w.data_ptr())
     elif piece in MODULE_PIECES:
         suffix, forward, _ = MODULE_PIECES[piece]
         m = _first(model, suffix)
@@ -607,7 +685,7 @@ def apply_fused(model, device: str, mode: str | None = None) -> dict:
                 record["pieces"][piece] = {"used": False, "reason": f"not in {FUSED_ENV}={mode}"}
                 continue
             try:
-                record["pieces"][piece] = _check_piece(piece, model, modeling, device, dtype)
+                record["pieces"][piece] = _check_piece(piece, model, modeling, device, dtype, record["pieces"])
             except Exception as exc:  # noqa: BLE001 - a kernel that does not compile or run here
                 record["pieces"][piece] = {"used": False, "reason": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
     record["check_seconds"] = round(time.perf_counter() - t0, 3)

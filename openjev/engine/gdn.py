@@ -16,9 +16,11 @@ from __future__ import annotations
 import sys
 
 
-def grouped_heads_forward(m, hidden_states, cache_params=None, attention_mask=None, **kwargs):
-    """Transformers' Qwen3.5 GatedDeltaNet.forward without the query/key head repeat. A one-token
-    step from a cached state (decoding, never a classifier's call) keeps Transformers' forward."""
+def grouped_heads_forward(m, hidden_states, cache_params=None, attention_mask=None, *, conv_qkv=None, **kwargs):
+    """Transformers' Qwen3.5 GatedDeltaNet.forward without the query/key head repeat. `conv_qkv`
+    (openjev/engine/fused.py conv_silu_qkv) may give the conv's query, key and value as tensors of
+    their own, or None for the modeling module's conv. A one-token step from a cached state
+    (decoding, never a classifier's call) keeps Transformers' forward."""
     import torch
     import torch.nn.functional as F
 
@@ -34,11 +36,17 @@ def grouped_heads_forward(m, hidden_states, cache_params=None, attention_mask=No
     a = m.in_proj_a(hidden_states)
     if cache_params is not None:
         mixed_qkv = cache_params.update_conv_state(mixed_qkv, m.layer_idx, conv_kernel_size=m.conv_kernel_size)
-    mixed_qkv = modeling.causal_conv1d_fn(mixed_qkv, m.conv1d.weight.squeeze(1), m.conv1d.bias,
-                                          activation=m.activation, **kwargs)
-    if cache_params is not None:
-        mixed_qkv = mixed_qkv[:, :, -seq_len:]
-    query, key, value = torch.split(mixed_qkv.transpose(1, 2), [m.key_dim, m.key_dim, m.value_dim], dim=-1)
+    weight = m.conv1d.weight.squeeze(1)
+    split = None
+    if conv_qkv is not None:  # it reads no kwargs, as the modeling module's fused conv (make_conv_wrapper)
+        split = conv_qkv(mixed_qkv, weight, m.conv1d.bias, m.activation, m.key_dim)
+    if split is not None:  # the fused conv writes them apart: fla's rule copies none of them
+        query, key, value = split
+    else:
+        mixed_qkv = modeling.causal_conv1d_fn(mixed_qkv, weight, m.conv1d.bias, activation=m.activation, **kwargs)
+        if cache_params is not None:
+            mixed_qkv = mixed_qkv[:, :, -seq_len:]
+        query, key, value = torch.split(mixed_qkv.transpose(1, 2), [m.key_dim, m.key_dim, m.value_dim], dim=-1)
     query = query.reshape(batch, seq_len, -1, m.head_k_dim)
     key = key.reshape(batch, seq_len, -1, m.head_k_dim)
     value = value.reshape(batch, seq_len, -1, m.head_v_dim)
@@ -64,10 +72,11 @@ def kernel_takes_grouped_heads(modeling) -> tuple[bool, str]:
     return False, f"the GDN rule is {name or 'unknown'}, not fla's: it needs the repeated key heads"
 
 
-def check_grouped_heads(m, modeling, rnd, shapes) -> tuple[bool, float]:
-    """Transformers' forward against grouped_heads_forward on random hidden states of `shapes`
-    ((rows, length) pairs), and the rule alone from a random start state with its final state,
-    repeated heads against grouped ones; (bitwise everywhere, the largest difference)."""
+def check_grouped_heads(m, modeling, rnd, shapes, forward=grouped_heads_forward) -> tuple[bool, float]:
+    """Transformers' forward against `forward` (grouped_heads_forward, or fused.py's with its conv) on
+    random hidden states of `shapes` ((rows, length) pairs), and the rule alone from a random start
+    state with its final state, repeated heads against grouped ones; (bitwise everywhere, the
+    largest difference)."""
     import torch
 
     same, worst = True, 0.0
@@ -80,7 +89,7 @@ def check_grouped_heads(m, modeling, rnd, shapes) -> tuple[bool, float]:
 
     for b, t in shapes:
         x = rnd(b, t, m.hidden_size)
-        compare(type(m).forward(m, x), grouped_heads_forward(m, x))
+        compare(type(m).forward(m, x), forward(m, x))
     heads, k_heads = m.num_v_heads, m.num_k_heads
     rule = modeling.torch_chunk_gated_delta_rule
     for b, t in shapes:
