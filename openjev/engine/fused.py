@@ -418,24 +418,29 @@ def _take_deferred(x):
     return pair[1]
 
 
+def _fusable_conv(hidden_states, weight, bias, activation, checked: set) -> bool:
+    """Whether the fused conv computes this call of the modeling module's causal_conv1d_fn: a
+    registered weight of a layout whose check passed (`checked`), silu, no bias, FP16/BF16 throughout."""
+    return (weight.data_ptr() in checked and bias is None and activation == "silu" and hidden_states.dim() == 3
+            and _lowp(hidden_states, contiguous=False) and weight.dtype == hidden_states.dtype)
+
+
 def conv_silu_qkv(hidden_states, weight, bias, activation, key_dim: int):
     """For the GDN forward (openjev/engine/gdn.py): the causal conv + silu of `hidden_states` [B, C, L]
     (as Transformers passes it, with a prefix state a cache layer handed on) as contiguous query, key
     and value tensors [B, L, key_dim], [B, L, key_dim], [B, L, C - 2 key_dim], where make_conv_wrapper
     would run the fused kernel on that layout; None elsewhere (the caller then calls the modeling
     module's causal_conv1d_fn, which takes any handed-on state)."""
-    if (bias is not None or activation != "silu" or hidden_states.dim() != 3 or weight.dtype != hidden_states.dtype
-            or not _lowp(hidden_states, contiguous=False)):
-        return None
     pair = getattr(_DEFERRED, "pair", None)
     state = pair[1] if pair is not None and pair[0] is hidden_states else None
     blc = hidden_states.transpose(1, 2)
     if state is not None:
-        if weight.data_ptr() not in _CONV_CACHED_WEIGHTS or state.dtype != hidden_states.dtype:
+        if not (_fusable_conv(hidden_states, weight, bias, activation, _CONV_CACHED_WEIGHTS)
+                and state.dtype == hidden_states.dtype):
             return None
         _DEFERRED.pair = None
         return conv_silu_blc(blc, weight, state=state, split=key_dim)
-    if not blc.is_contiguous() or weight.data_ptr() not in _CONV_WEIGHTS:
+    if not (blc.is_contiguous() and _fusable_conv(hidden_states, weight, bias, activation, _CONV_WEIGHTS)):
         return None
     return conv_silu_blc(blc, weight, split=key_dim)
 
@@ -460,17 +465,15 @@ def make_conv_wrapper(original):
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
         state = _take_deferred(hidden_states)
         if state is not None:
-            if (weight.data_ptr() in _CONV_CACHED_WEIGHTS and bias is None and activation == "silu"
-                    and hidden_states.dim() == 3 and _lowp(hidden_states, contiguous=False)
-                    and weight.dtype == hidden_states.dtype == state.dtype):
+            if (_fusable_conv(hidden_states, weight, bias, activation, _CONV_CACHED_WEIGHTS)
+                    and state.dtype == hidden_states.dtype):
                 return conv_silu_blc(hidden_states.transpose(1, 2), weight, state=state).transpose(1, 2)
             import torch
 
             hidden_states = torch.cat([state, hidden_states], dim=-1)
         blc = hidden_states.transpose(1, 2)
         checked = _CONV_WEIGHTS if blc.is_contiguous() else _CONV_CACHED_WEIGHTS
-        if (weight.data_ptr() in checked and bias is None and activation == "silu"
-                and hidden_states.dim() == 3 and _lowp(blc, contiguous=False) and weight.dtype == hidden_states.dtype):
+        if _fusable_conv(hidden_states, weight, bias, activation, checked):
             return conv_silu_blc(blc, weight).transpose(1, 2)
         return original(hidden_states, weight, bias, activation=activation, **kwargs)
 
@@ -570,13 +573,12 @@ def _check_piece(piece: str, model, modeling, device, dtype, done: dict | None =
         try:
             same, worst = check_grouped_heads(m, modeling, rnd, CHECK_SHAPES, forward=grouped_heads_fused_forward)
             if cached:  # from a prefix state: apart, and as one tensor
-                for b, t in CHECK_SHAPES:
-                    x, state = rnd(b, t, w.shape[0], scale=2.0), rnd(b, w.shape[0], w.shape[1], scale=2.0)
-                    whole = conv_silu_blc(x, w, state=state)
-                    parts = conv_silu_blc(x, w, state=state, split=m.key_dim)
-                    if not torch.equal(torch.cat(parts, dim=-1), whole):
-                        same = False
-                        worst = max(worst, float((torch.cat(parts, dim=-1).float() - whole.float()).abs().max()))
+                ins = [(rnd(b, t, w.shape[0], scale=2.0), rnd(b, w.shape[0], w.shape[1], scale=2.0))
+                       for b, t in CHECK_SHAPES]
+                split_same, split_worst = _equal_on(
+                    lambda x, state: conv_silu_blc(x, w, state=state),
+                    lambda x, state: torch.cat(conv_silu_blc(x, w, state=state, split=m.key_dim), dim=-1), ins)
+                same, worst = same and split_same, max(worst, split_worst)
         finally:
             for weights in registered:
                 weights.discard(w.data_ptr())
