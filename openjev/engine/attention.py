@@ -112,6 +112,24 @@ def padded_layout(lengths, starts=None, offset: int = 0, per_row_states: bool = 
         _LAYOUT.reset(token)
 
 
+_PACKED: contextvars.ContextVar = contextvars.ContextVar("openjev_packed_forward", default=None)
+
+
+def current_packed():
+    """The packed forward running in this thread (openjev/engine/packed.py PackedForward), if any."""
+    return _PACKED.get()
+
+
+@contextlib.contextmanager
+def packed_forward(forward):
+    """Declare the packed forward about to run in this thread (see PackedCalls)."""
+    token = _PACKED.set(forward)
+    try:
+        yield forward
+    finally:
+        _PACKED.reset(token)
+
+
 def padded_rows(lengths: list[int]):
     """The real lengths of a right-padded forward, for rowwise_attention, in this thread."""
     return padded_layout(lengths)
@@ -138,6 +156,9 @@ def rowwise_attention() -> str:
     _INNER.append(inner)
 
     def sdpa_rowwise(module, query, key, value, attention_mask, **kwargs):
+        packed = _PACKED.get()
+        if packed is not None and query.shape[0] == 1:
+            return packed.attention.attend(inner, module, query, key, value, packed, **kwargs), None
         layout = _LAYOUT.get()
         off = layout.offset if layout is not None else 0
         if layout is None or query.shape[0] != len(layout.lengths) or key.shape[2] != off + query.shape[2]:
@@ -280,6 +301,89 @@ class OwnCalls:
         for j, n, p, c in longer:
             q, k, v = query[j:j + 1, :, :n], key[j:j + 1, :, off - p: off + n], value[j:j + 1, :, off - p: off + n]
             out[j:j + 1, :n] = attend_after_prefix(inner, module, q, k, v, p, call=c, **kwargs)
+
+
+@dataclass
+class PackedCalls:
+    """Each row's own call in a packed forward (openjev/engine/packed.py): the rows' tokens one after
+    another in [1, heads, tokens, dim] queries, keys and values, the calls OwnCalls makes from the
+    padded tensors. Each attention layer writes its new keys and values after each row's prefix keys
+    in the forward's key buffers ([kv heads, keys, dim] a layer; a row's prefix then its tokens), and
+    every row's call reads a view of them; queries of rows that go on from a prefix are placed after
+    their prefixes in one zeroed buffer a forward. Outputs come back in the rows' order: the packed
+    [1, tokens, heads, dim] output, no scatter."""
+
+    lengths: list
+    starts: list
+    calls: list
+    flash: bool | None = None
+    plan: tuple | None = None
+    buffer: object = None
+
+    def key_starts(self) -> list[int]:
+        """Where each row's keys begin in the key buffers."""
+        out, at = [], 0
+        for n, p in zip(self.lengths, self.starts):
+            out.append(at)
+            at += p + n
+        return out
+
+    def _build(self, device):
+        """(new keys' places in the key buffers; query gather and scatter index, query buffer tokens;
+        per row: tokens, prefix, call, its first packed query, its first key, its query buffer start)"""
+        import torch
+
+        ks = self.key_starts()
+        dst, q_src, q_dst, rows, bos, total = [], [], [], [], 0, 0
+        for n, p, c, k0 in zip(self.lengths, self.starts, self.calls, ks):
+            dst.append(torch.arange(k0 + p, k0 + p + n))
+            at, longer = None, c > p + n
+            if p and not longer:
+                q_src.append(torch.arange(bos, bos + n))
+                q_dst.append(torch.arange(total + p, total + p + n))
+                at, total = total, total + c
+            rows.append((n, p, c, bos, k0, at, longer))
+            bos += n
+
+        def index(parts):
+            return to_device(torch.cat(parts), device) if parts else None
+
+        return index(dst), index(q_src), index(q_dst), total, rows
+
+    def attend(self, inner, module, query, key, value, forward, **kwargs):
+        """query [1, heads, tokens, dim], key/value [1, kv heads, tokens, dim] as Transformers' SDPA
+        function gets them; returns [1, tokens, heads, dim]."""
+        import torch
+
+        _, heads, tokens, dim = query.shape
+        if self.plan is None:
+            self.plan = self._build(query.device)
+        dst, q_src, q_dst, total, rows = self.plan
+        kbuf, vbuf = forward.key_buffers(module.layer_idx)
+        kbuf.index_copy_(1, dst, key[0])
+        vbuf.index_copy_(1, dst, value[0])
+        if total:
+            if self.buffer is None:
+                self.buffer = query.new_zeros((heads, total, dim))
+            self.buffer[:, q_dst] = query[0][:, q_src]
+        scale = kwargs.get("scaling")
+
+        def call(n, p, c, bos, k0, at, longer):  # -> [heads, n, dim]
+            k, v = kbuf[None, :, k0:k0 + p + n], vbuf[None, :, k0:k0 + p + n]
+            if longer:  # the whole row's call, longer than what this forward holds of it
+                q = query[:, :, bos:bos + n]
+                return attend_after_prefix(inner, module, q, k, v, p, call=c, **kwargs)[0].transpose(0, 1)
+            q = self.buffer[None, :, at:at + p + n] if p else query[:, :, bos:bos + n]
+            if self.flash is None:
+                self.flash = _flash_is_chosen(q, k, v, scale)
+            if self.flash:
+                return torch._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[0][0, :, p:]
+            return inner(module, q, k, v, None, **kwargs)[0][0, p:].transpose(0, 1)
+
+        parts = [call(*rows[0])]  # the first call decides self.flash
+        streams = side_streams(query.device) if self.flash and len(rows) > 2 else ()
+        parts += spread_over_streams(streams, call, rows[1:]) if streams else [call(*r) for r in rows[1:]]
+        return torch.cat(parts, 1).transpose(0, 1)[None]
 
 
 _THREAD = threading.local()  # this thread's side streams, by (device, count)

@@ -244,6 +244,42 @@ if triton is not None:
         tl.store(out, _silu_f32(y).to(Y.dtype.element_ty), mask=m)
 
 
+    @triton.jit
+    def _conv_silu_segments_kernel(X, S, W, Y, TILES, channels, tokens, state_len, ssb, ssc, sst,
+                                   K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                                   SPLIT: tl.constexpr = 0):
+        # _conv_silu_state_kernel's arithmetic on the segments of a packed X [tokens, channels]
+        # (contiguous): TILES [tiles, 4] int32 holds each program's segment, first position in it,
+        # the segment's first packed token and length; a tap before a segment's first token reads
+        # the segment's start state S [segments, channels, state_len] (any strides) where it has one
+        # (its row of S non-negative), zero otherwise. Y [tokens, channels], or split as _conv_out's.
+        tile = tl.program_id(0)
+        seg = tl.load(TILES + tile * 4)
+        t0 = tl.load(TILES + tile * 4 + 1)
+        bos = tl.load(TILES + tile * 4 + 2).to(tl.int64)
+        n = tl.load(TILES + tile * 4 + 3)
+        t = t0 + tl.arange(0, BLOCK_T)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        tm, cm = t < n, c < channels
+        has = seg >= 0
+        srow = tl.maximum(seg, 0).to(tl.int64)
+        cc = c[None, :].to(tl.int64)
+        acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        for k in tl.static_range(K):
+            src = t - (K - 1 - k)
+            from_x = (tm & (src >= 0))[:, None] & cm[None, :]
+            from_s = (tm & (src < 0) & has)[:, None] & cm[None, :]
+            xs = tl.load(X + (bos + tl.maximum(src, 0)[:, None].to(tl.int64)) * channels + cc, mask=from_x, other=0.0)
+            ss = tl.load(S + srow * ssb + cc * ssc + (state_len + tl.minimum(src, -1))[:, None].to(tl.int64) * sst,
+                         mask=from_s, other=0.0)
+            x = tl.where(from_s, ss, xs).to(tl.float32)
+            w = tl.load(W + c * K + k, mask=cm, other=0.0).to(tl.float32)
+            acc = tl.fma(w[None, :], x, acc)
+        y = acc.to(Y.dtype.element_ty).to(tl.float32)
+        out = _conv_out(Y, bos + t[:, None].to(tl.int64), c[None, :], channels, tokens.to(tl.int64), SPLIT)
+        tl.store(out, _silu_f32(y).to(Y.dtype.element_ty), mask=tm[:, None] & cm[None, :])
+
+
 def _grid(n: int):
     return (triton.cdiv(n, BLOCK),)
 
@@ -346,6 +382,46 @@ def conv_silu_blc(x, w, state=None, split: int = 0):
     return y
 
 
+CONV_SEGMENT_BLOCK = (32, 64)  # (positions, channels) a program of the segments kernel
+
+
+def conv_segment_tiles(lengths, states, device, block_t: int = CONV_SEGMENT_BLOCK[0]):
+    """The [tiles, 4] int32 table of conv_silu_segments for segments of `lengths` packed one after the
+    other, `states[i]` the row of the start-state tensor segment i reads before its first token (or
+    None: zeros); built once a forward, shared by its GDN layers."""
+    import torch
+
+    table, bos = [], 0
+    for n, s in zip(lengths, states):
+        table += [(-1 if s is None else s, t0, bos, n) for t0 in range(0, n, block_t)]
+        bos += n
+    return torch.tensor(table, dtype=torch.int32).to(device, non_blocking=True)
+
+
+def conv_silu_segments(x, w, tiles, states=None, split: int = 0):
+    """x [T, C] contiguous (segments packed one after the other), w [C, K] -> silu(causal depthwise
+    conv) of each segment on its own, after the last columns of its start state (`states` [N, C, S],
+    any strides, S >= K - 1; the row `tiles` names, see conv_segment_tiles), as [T, C], or with
+    `split` s as three contiguous tensors [T, s], [T, s], [T, C - 2 s]. Each output is the one the
+    state kernel (conv_silu_blc with a state) or, for a segment without one, the plain kernel gives
+    its row alone: the same taps in the same order."""
+    import torch
+
+    tokens, channels = x.shape
+    if not x.is_contiguous():
+        raise ValueError("conv_silu_segments: a contiguous [tokens, channels] input")
+    y = torch.empty((tokens, channels) if not split else (tokens * channels,), dtype=x.dtype, device=x.device)
+    block_t, block_c = CONV_SEGMENT_BLOCK
+    s = states if states is not None else x.new_zeros((1, channels, w.shape[-1]))
+    _conv_silu_segments_kernel[(tiles.shape[0], triton.cdiv(channels, block_c))](
+        x, s, w.contiguous(), y, tiles, channels, tokens, s.shape[-1], *s.stride(),
+        K=w.shape[-1], BLOCK_T=block_t, BLOCK_C=block_c, num_warps=CONV_STATE_WARPS, SPLIT=split)
+    if not split:
+        return y
+    n = tokens * split
+    return y[:n].view(tokens, split), y[n:2 * n].view(tokens, split), y[2 * n:].view(tokens, channels - 2 * split)
+
+
 # ---------------------------------------------------------------- module forwards
 def _lowp(x, contiguous: bool = True) -> bool:
     import torch
@@ -443,6 +519,25 @@ def conv_silu_qkv(hidden_states, weight, bias, activation, key_dim: int):
     if not (blc.is_contiguous() and _fusable_conv(hidden_states, weight, bias, activation, _CONV_WEIGHTS)):
         return None
     return conv_silu_blc(blc, weight, split=key_dim)
+
+
+def conv_segments_qkv(x, m, tiles, states):
+    """For the packed GDN forward (openjev/engine/packed.py): the conv + silu of the GDN layer `m` on
+    packed segments x [T, C] (see conv_silu_segments) as contiguous query, key and value tensors,
+    where the state kernel passed its check for this layer's weight; None elsewhere (the caller then
+    runs the modeling module's conv a row at a time)."""
+    weight = m.conv1d.weight.squeeze(1)
+    if not (x.is_contiguous() and _fusable_conv(x[None], weight, m.conv1d.bias, m.activation, _CONV_CACHED_WEIGHTS)
+            and (states is None or states.dtype == x.dtype)):
+        return None
+    return conv_silu_segments(x, weight, tiles, states, split=m.key_dim)
+
+
+def segments_conv_in_use(model) -> bool:
+    """Whether the packed GDN forward of `model` runs the segments kernel (its conv weights passed the
+    state kernel's check)."""
+    m = _first(model, "GatedDeltaNet")
+    return m is not None and triton is not None and m.conv1d.weight.data_ptr() in _CONV_CACHED_WEIGHTS
 
 
 def grouped_heads_fused_forward(m, *args, **kwargs):

@@ -53,6 +53,10 @@ PREFIX_FORWARD_ROWS = 64
 # one forward instead of two took a warm pass of the 128-row set from 0.35-0.39 s to 0.31 s in
 # process on an H100 (results_h100/prefix_reuse/3618537).
 PREFIX_TAIL_FORWARD_ROWS = 128
+# Rows and tokens a packed forward may hold (openjev/engine/packed.py): no padding, so a phase's rows
+# go in as few forwards as these allow.
+PACKED_FORWARD_ROWS = 128
+PACKED_FORWARD_TOKENS = 65536
 # Rows whose cached-prefix lookups a PrefixEngine keeps between the scheduler's questions and the step.
 LOOKUP_MEMO_ROWS = 16384
 # What one more prefix-path forward costs, in padded tokens, when a phase's rows are cut into forwards
@@ -216,6 +220,20 @@ def shared_prefixes(rows: list[list[int]], floors: list[int], limits: list[int],
     return {i: chosen[i] for members in by_key.values() if len(members) > 1 for i in members}
 
 
+def packed_groups(lengths: list[int], max_rows: int, max_tokens: int) -> list[list[int]]:
+    """Indices of a phase's rows cut into packed forwards in their order, each at most `max_rows` rows
+    and `max_tokens` tokens (a longer row alone)."""
+    groups: list[list[int]] = [[]]
+    tokens = 0
+    for i, n in enumerate(lengths):
+        if groups[-1] and (len(groups[-1]) >= max_rows or tokens + n > max_tokens):
+            groups.append([])
+            tokens = 0
+        groups[-1].append(i)
+        tokens += n
+    return [g for g in groups if g]
+
+
 class ContinuationForwards:
     """Forwards of rows that go on from prefix states, through Transformers' cache object."""
 
@@ -238,9 +256,17 @@ class ContinuationForwards:
         self.kv_heads = text.num_key_value_heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         install_per_row_gdn(clf.model)
-        from openjev.engine.fused import gdn_modeling
+        from openjev.engine.fused import (conv_segments_qkv, conv_silu_segments, gdn_modeling, grouped_heads_fused_forward,
+                                          segments_conv_in_use)
+        from openjev.engine.packed import packed_layout_record
 
         self.modeling = gdn_modeling(clf.model)
+        gdn = next(m for m in clf.model.modules() if type(m).__name__.endswith("GatedDeltaNet"))
+        fwd = gdn.__dict__.get("forward")
+        self.grouped = getattr(fwd, "func", None) is grouped_heads_fused_forward
+        self.segment_conv = conv_segments_qkv if segments_conv_in_use(clf.model) else None
+        self.packed = packed_layout_record(clf, self.modeling, self.grouped,
+                                           conv_silu_segments if self.segment_conv else None)
 
     def run(self, items: list, want_states: bool, keep: list | None = None):
         """items: (start PrefixState or None, tokens to run, the whole row's length). Returns (logits
@@ -248,6 +274,8 @@ class ContinuationForwards:
         tokens the kept state covers, or None for no state), the states are taken there and the rows'
         other tokens still run in this forward (padding_inert_chunk)."""
         torch = self.torch
+        if self.packed["used"]:
+            return self._run_packed(items, want_states, keep)
         dev = self.clf.device
         starts = [s.length if s is not None else 0 for s, _, _ in items]
         lengths = [len(t) for _, t, _ in items]
@@ -280,6 +308,19 @@ class ContinuationForwards:
                     wanted = [b for b in range(n) if keep is None or keep[b] is not None]
                     states = self._states(cache, starts, kept, offset, wanted)
         return out.logits, states
+
+    def _run_packed(self, items: list, want_states: bool, keep: list | None):
+        """run() in the packed layout (openjev/engine/packed.py)."""
+        from openjev.engine.packed import kept_states, run_packed
+
+        if keep is None and want_states:
+            keep = [len(t) for _, t, _ in items]
+        logits, forward = run_packed(self.clf, self.linear, self.attention, items, keep,
+                                     [s for s, _, _ in items], self.segment_conv, self.grouped)
+        if keep is None or not any(k is not None for k in keep):
+            return logits, None
+        with self.torch.profiler.record_function("openjev.prefix.states"):
+            return logits, kept_states(forward, PrefixState)
 
     def _masks(self, mask, offset: int):
         """The model's masks by layer type, made here where attention runs row by row: Transformers'
@@ -532,7 +573,8 @@ class PrefixEngine:
         return self.classes(len(row))
 
     def stats(self) -> dict:
-        return {"min_shared_tokens": self.min_tokens, "cache": self.cache.stats() if self.cache is not None else None}
+        return {"min_shared_tokens": self.min_tokens, "cache": self.cache.stats() if self.cache is not None else None,
+                "packed_layout": self.forwards.packed}
 
     def warm_up(self, max_rows: int) -> dict:
         """Before the first request: a cold step of rows sharing a prefix beside rows that do not, then the
@@ -628,13 +670,19 @@ class PrefixEngine:
             tail = phase == "tail"
             rows_cap = max(max_rows, PREFIX_TAIL_FORWARD_ROWS if tail else PREFIX_FORWARD_ROWS)
             cost = self.tail_forward_cost if tail else self.forward_cost
-            for idx in length_groups([len(t) for _, t, _ in items], rows_cap, cost):
+            lengths = [len(t) for _, t, _ in items]
+            if self.forwards.packed["used"]:
+                cuts = packed_groups(lengths, max(rows_cap, PACKED_FORWARD_ROWS), PACKED_FORWARD_TOKENS)
+            else:
+                cuts = length_groups(lengths, rows_cap, cost)
+            for idx in cuts:
                 group = [items[i] for i in idx]
                 with torch.profiler.record_function(f"openjev.prefix.{phase}"):
                     logits, states = self.forwards.run(group, want_states, [keep[i] for i in idx] if keep else None)
                 stats["forwards"] += 1
                 stats["computed"] += sum(len(t) for _, t, _ in group)
-                stats["padded"] += max(len(t) for _, t, _ in group) * len(group)
+                stats["padded"] += (sum(len(t) for _, t, _ in group) if self.forwards.packed["used"]
+                                    else max(len(t) for _, t, _ in group) * len(group))
                 for k, i in enumerate(idx):
                     logits_all[i] = logits[k]
                     if states is not None:
