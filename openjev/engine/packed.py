@@ -72,7 +72,7 @@ class RuleSegments:
 
     cu: object              # [segments + 1] int64 on the device
     cu_cpu: object          # ... on the host (fla reads chunk counts from it without a sync)
-    init: object            # [segments] row of the start-state tensor each segment begins from (zeros: the last)
+    init: list              # per segment: the row whose start state it begins from, None for zeros
     kept: object            # [kept rows] the segment whose final state a row keeps
     tails: tuple | None     # (gather index, cu, cu on the host, the heads' segments) of the second call
 
@@ -89,7 +89,7 @@ class PackedForward:
     linear: list                 # layer index of each GDN layer
     attention_layers: list       # ... of each full-attention layer
     conv_start: object = None    # [GDN layers, rows + 1, conv_dim, kernel] (the last row zeros), or None
-    rec_start: object = None     # [GDN layers, rows + 1, heads, k, v], or None
+    rec_start: object = None     # [GDN layers, rule segments, heads, k, v] (zeros where none), or None
     keys: tuple = ()             # ([attention layers, kv, keys, dim] keys, values)
     attention: PackedCalls = None
     conv_states: list = field(default_factory=list)   # per GDN layer: [kept rows, conv_dim, kernel]
@@ -113,27 +113,32 @@ class PackedForward:
     def has_state(self, b: int) -> bool:
         return self.starts[b] > 0
 
+    def segment_rows(self) -> tuple:
+        """(tokens of each rule segment, the row whose start state it begins from or None, the segments
+        whose final states rows keep, (segment, first packed token, tokens) of each kept state's rest)."""
+        sizes, init, kept, tails = [], [], [], []
+        for b, n in enumerate(self.lengths):
+            k = self.keep[b] if self.keep else None
+            start = b if self.has_state(b) else None
+            if k is not None and k < n:
+                kept.append(len(sizes))
+                tails.append((len(sizes), self.bos[b] + k, n - k))
+                sizes += [k, n - k]
+                init += [start, None]
+            else:
+                if k is not None:
+                    kept.append(len(sizes))
+                sizes.append(n)
+                init.append(start)
+        return sizes, init, kept, tails
+
     def segments(self, device) -> RuleSegments:
         """The rule's segments (built once a forward)."""
         if "rule" in self.plans:
             return self.plans["rule"]
         import torch
 
-        zero = len(self.lengths)  # the zero row of the start-state tensors
-        sizes, init, kept, tails = [], [], [], []
-        for b, n in enumerate(self.lengths):
-            k = self.keep[b] if self.keep else None
-            start = b if self.has_state(b) else zero
-            if k is not None and k < n:
-                kept.append(len(sizes))
-                tails.append((len(sizes), self.bos[b] + k, n - k))
-                sizes += [k, n - k]
-                init += [start, zero]
-            else:
-                if k is not None:
-                    kept.append(len(sizes))
-                sizes.append(n)
-                init.append(start)
+        sizes, init, kept, tails = self.segment_rows()
 
         def cu(parts):
             cpu = torch.tensor([0] + parts, dtype=torch.long).cumsum(0)
@@ -145,8 +150,7 @@ class PackedForward:
             index = torch.cat([torch.arange(a, a + n) for _, a, n in tails])
             t_dev, t_cpu = cu([n for _, _, n in tails])
             tail = (to_device(index, device), t_dev, t_cpu, to_device(torch.tensor([s for s, _, _ in tails]), device))
-        plan = RuleSegments(cu_dev, cu_cpu, to_device(torch.tensor(init), device), to_device(torch.tensor(kept), device),
-                            tail)
+        plan = RuleSegments(cu_dev, cu_cpu, init, to_device(torch.tensor(kept), device), tail)
         self.plans["rule"] = plan
         return plan
 
@@ -257,8 +261,7 @@ def run_rule(rule, inputs, rec, forward: PackedForward, device):
     want = bool(forward.kept_rows)
     has_states = any(forward.starts)
     if rule_takes_segments(rule):
-        init = rec.index_select(0, seg.init) if has_states else None
-        out, final = rule(*inputs, initial_state=init, output_final_state=want or seg.tails is not None,
+        out, final = rule(*inputs, initial_state=rec if has_states else None, output_final_state=want or seg.tails is not None,
                           use_qk_l2norm_in_kernel=True, cu_seqlens=seg.cu, cu_seqlens_cpu=seg.cu_cpu)
         if seg.tails is not None:
             index, cu, cu_cpu, heads = seg.tails
@@ -269,14 +272,12 @@ def run_rule(rule, inputs, rec, forward: PackedForward, device):
             forward.rec_states.append(final.index_select(0, seg.kept))
         return out
     cu = seg.cu_cpu.tolist()
-    init_rows = seg.init.tolist()
     goes_on = {int(h) + 1 for h in seg.tails[3].tolist()} if seg.tails is not None else set()
     outs, finals = [], []
-    zero = len(forward.lengths)
     prev = None
     for s in range(len(cu) - 1):
         part = tuple(t[:, cu[s]:cu[s + 1]] for t in inputs)
-        h0 = rec[init_rows[s]][None] if has_states and init_rows[s] != zero else None
+        h0 = rec[s][None] if has_states and seg.init[s] is not None else None
         if s in goes_on:  # a kept state's rest, from it
             h0 = prev
         o, h = rule(*part, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
@@ -336,7 +337,8 @@ def _start_states(forward: PackedForward, clf, states: list) -> None:
     if known:
         zc, zr = torch.zeros_like(known[0].conv), torch.zeros_like(known[0].recurrent)
         forward.conv_start = torch.stack([s.conv if s is not None else zc for s in states] + [zc], 1)
-        forward.rec_start = torch.stack([s.recurrent if s is not None else zr for s in states] + [zr], 1)
+        init = forward.segment_rows()[1]  # in the rule's segment order: fla's initial states as they stand
+        forward.rec_start = torch.stack([states[b].recurrent if b is not None else zr for b in init], 1)
     text = clf.model.config.get_text_config()
     kv = text.num_key_value_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -387,8 +389,8 @@ def check_packed_rule(rule, device, dtype, heads: int, k_heads: int, k_dim: int,
     v = rnd(1, total, heads, v_dim).to(dtype)
     g = -torch.rand(1, total, heads, generator=gen).to(device)
     beta = torch.rand(1, total, heads, generator=gen).to(device).to(dtype)
-    rec = rnd(len(lengths) + 1, heads, k_dim, v_dim, scale=0.1)
-    rec[-1] = 0
+    rows = rnd(len(lengths), heads, k_dim, v_dim, scale=0.1)
+    rec = torch.stack([rows[b] if b is not None else torch.zeros_like(rows[0]) for b in forward.segment_rows()[1]])
     same, worst = True, 0.0
 
     def compare(want, got):
@@ -403,7 +405,7 @@ def check_packed_rule(rule, device, dtype, heads: int, k_heads: int, k_dim: int,
         kept = 0
         for b, (n, bos) in enumerate(zip(lengths, forward.bos)):
             part = [t[:, bos:bos + n] for t in (q, k, v, g, beta)]
-            h0 = rec[b][None] if starts[b] else None
+            h0 = rows[b][None] if starts[b] else None
             cut = keep[b] if keep[b] is not None else n
             want, h = rule(*(t[:, :cut] for t in part), initial_state=h0, output_final_state=True,
                            use_qk_l2norm_in_kernel=True)
