@@ -248,7 +248,7 @@ def rule_takes_segments(rule) -> bool:
     """Whether the chunked rule the GDN layers call is fla's (which takes `cu_seqlens`)."""
     from openjev.engine.binding import bound_implementation, describe
 
-    return (describe(bound_implementation(rule)) or "").startswith("fla.")
+    return (describe(bound_implementation(rule) or rule) or "").startswith("fla.")
 
 
 def run_rule(rule, inputs, rec, forward: PackedForward, device):
