@@ -223,3 +223,15 @@ def test_on_a_gpu_flas_segment_call_and_the_segments_conv_are_bitwise_each_rows_
 
     same, worst = packed.check_segment_conv(conv_silu_segments, rows, "cuda", torch.float16, channels=8192)
     assert same, worst
+
+
+def test_a_segment_rule_that_fails_at_load_keeps_padded_forwards(clf, monkeypatch):
+    from openjev.engine.fused import gdn_modeling
+
+    def broken(*args, cu_seqlens=None, **kwargs):
+        raise RuntimeError("no varlen here\nmore")
+
+    monkeypatch.setattr(gdn_modeling(clf.model), "torch_chunk_gated_delta_rule", broken)
+    monkeypatch.setattr(packed, "rule_takes_segments", lambda _rule: True)
+    record = _engine(clf, 0, "on", monkeypatch).stats()["packed_layout"]
+    assert not record["used"] and record["reason"].startswith("fla's variable-length rule failed on cpu (no varlen here)")

@@ -466,14 +466,16 @@ def packed_layout_record(clf, modeling, grouped: bool, conv_segments) -> dict:
     m = next(x for x in clf.model.modules() if type(x).__name__.endswith("GatedDeltaNet"))
     dtype = next(clf.model.parameters()).dtype
     if rule_takes_segments(rule):
-        same, worst = check_packed_rule(rule, clf.device, dtype, m.num_v_heads,
-                                        m.num_k_heads if grouped else m.num_v_heads, m.head_k_dim, m.head_v_dim)
+        try:
+            same, worst = check_packed_rule(rule, clf.device, dtype, m.num_v_heads,
+                                            m.num_k_heads if grouped else m.num_v_heads, m.head_k_dim, m.head_v_dim)
+        except Exception as exc:  # noqa: BLE001 - a rule that takes no segments here: padded forwards
+            return _refused(record, f"fla's variable-length rule failed on {clf.device} "
+                                    f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}): padded forwards")
         record["rule"] = {"kind": "fla varlen", "bitwise": same}
         if not same:
-            record["reason"] = (f"fla's variable-length rule is not bitwise a call a segment on {clf.device} "
-                                f"(max abs diff {worst:.3g}): padded forwards")
-            log.warning("packed layout not used: %s", record["reason"])
-            return record
+            return _refused(record, f"fla's variable-length rule is not bitwise a call a segment on {clf.device} "
+                                    f"(max abs diff {worst:.3g}): padded forwards")
     else:
         record["rule"] = {"kind": "a call a segment (the rule takes no segments)"}
     if conv_segments is not None:
@@ -485,12 +487,16 @@ def packed_layout_record(clf, modeling, grouped: bool, conv_segments) -> dict:
         same, worst = check_segment_conv(conv_segments, conv_rows, clf.device, dtype)
         record["conv"] = {"kind": "fused segments kernel", "bitwise": same}
         if not same:
-            record["reason"] = (f"the segments conv is not bitwise each row's conv on {clf.device} "
-                                f"(max abs diff {worst:.3g}): padded forwards")
-            log.warning("packed layout not used: %s", record["reason"])
-            return record
+            return _refused(record, f"the segments conv is not bitwise each row's conv on {clf.device} "
+                                    f"(max abs diff {worst:.3g}): padded forwards")
     else:
         record["conv"] = {"kind": "the modeling module's conv, a call a row"}
     record.update(used=True, reason="forwards from prefix states run the rows' tokens one after another, "
                                     "each token mixer row by row (checked bitwise on this device where it applies)")
+    return record
+
+
+def _refused(record: dict, reason: str) -> dict:
+    record["reason"] = reason
+    log.warning("packed layout not used: %s", reason)
     return record
