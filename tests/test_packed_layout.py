@@ -28,16 +28,17 @@ def clf(tiny_model):
 
 
 def _rows(vocab: int, seed: int = 0) -> list[list[int]]:
+    """tests/test_prefix_reuse.py's option groups and singles, and rows whose tails cross a chunk
+    boundary or that end on one."""
+    from test_prefix_reuse import _rows as option_groups
+
     rng = random.Random(seed)
 
     def toks(n):
         return [rng.randrange(3, vocab) for _ in range(n)]
 
-    rows = []
-    for _ in range(4):
-        premise = toks(rng.randrange(100, 300))
-        rows += [premise + toks(rng.randrange(2, 90)) for _ in range(3)]
-    return rows + [toks(rng.randrange(10, 200)) for _ in range(3)] + [toks(1), toks(64), toks(128)]
+    rows = option_groups(vocab, seed)
+    return rows + [rows[0][:150] + toks(90), rows[0][:150] + toks(75), toks(64), toks(128)]
 
 
 def _engine(clf, budget_mb: int, mode: str, monkeypatch) -> PrefixEngine:

@@ -24,6 +24,7 @@ import threading
 import time
 
 from openjev.common import UserError
+from openjev.engine.bitwise import Bitwise
 from openjev.engine.gdn import check_grouped_heads, grouped_heads_forward, kernel_takes_grouped_heads
 
 log = logging.getLogger("openjev.fused")
@@ -198,6 +199,25 @@ if triton is not None:
         tl.store(Y + out, _silu_f32(y).to(Y.dtype.element_ty), mask=tm[:, None] & cm[None, :])
 
     @triton.jit
+    def _conv_taps_after_state(XR, sxt, sxc, SR, ssc, sst, state_len, W, t, c, tm, cm, has_state, acc,
+                               K: tl.constexpr):
+        # acc + the conv's taps at positions t of one row whose inputs before its first are the last
+        # columns of its state (XR, SR: the row's inputs and state; a state column where has_state,
+        # zero otherwise): the state kernel's and the segments kernel's arithmetic, one code
+        cc = c[None, :].to(tl.int64)
+        for k in tl.static_range(K):
+            src = t - (K - 1 - k)
+            from_x = (tm & (src >= 0))[:, None] & cm[None, :]
+            from_s = (tm & (src < 0) & has_state)[:, None] & cm[None, :]
+            xs = tl.load(XR + tl.maximum(src, 0)[:, None].to(tl.int64) * sxt + cc * sxc, mask=from_x, other=0.0)
+            ss = tl.load(SR + cc * ssc + (state_len + tl.minimum(src, -1))[:, None].to(tl.int64) * sst,
+                         mask=from_s, other=0.0)
+            x = tl.where(from_s, ss, xs).to(tl.float32)
+            w = tl.load(W + c * K + k, mask=cm, other=0.0).to(tl.float32)
+            acc = tl.fma(w[None, :], x, acc)
+        return acc
+
+    @triton.jit
     def _conv_silu_state_kernel(X, S, W, Y, length, channels, state_len, sxb, sxt, sxc, ssb, ssc, sst,
                                 K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, WIDE: tl.constexpr,
                                 SPLIT: tl.constexpr = 0):
@@ -223,18 +243,8 @@ if triton is not None:
                 w = tl.load(W + c * K + k, mask=cm, other=0.0).to(tl.float32)
                 acc = tl.fma(w[None, :], x, acc)
         else:
-            cc = c[None, :].to(tl.int64)
-            for k in tl.static_range(K):
-                src = t - (K - 1 - k)
-                from_x = (tm & (src >= 0))[:, None] & cm[None, :]
-                from_s = (tm & (src < 0))[:, None] & cm[None, :]
-                xs = tl.load(X + b * sxb + tl.maximum(src, 0)[:, None].to(tl.int64) * sxt + cc * sxc,
-                             mask=from_x, other=0.0)
-                ss = tl.load(S + b * ssb + cc * ssc + (state_len + tl.minimum(src, -1))[:, None].to(tl.int64) * sst,
-                             mask=from_s, other=0.0)
-                x = tl.where(from_s, ss, xs).to(tl.float32)
-                w = tl.load(W + c * K + k, mask=cm, other=0.0).to(tl.float32)
-                acc = tl.fma(w[None, :], x, acc)
+            acc = _conv_taps_after_state(X + b * sxb, sxt, sxc, S + b * ssb, ssc, sst, state_len, W, t, c, tm, cm,
+                                         True, acc, K)
         y = acc.to(Y.dtype.element_ty).to(tl.float32)
         if SPLIT > 0:
             rows = (tl.num_programs(0) // tiles).to(tl.int64) * length
@@ -261,20 +271,9 @@ if triton is not None:
         t = t0 + tl.arange(0, BLOCK_T)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         tm, cm = t < n, c < channels
-        has = seg >= 0
-        srow = tl.maximum(seg, 0).to(tl.int64)
-        cc = c[None, :].to(tl.int64)
         acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-        for k in tl.static_range(K):
-            src = t - (K - 1 - k)
-            from_x = (tm & (src >= 0))[:, None] & cm[None, :]
-            from_s = (tm & (src < 0) & has)[:, None] & cm[None, :]
-            xs = tl.load(X + (bos + tl.maximum(src, 0)[:, None].to(tl.int64)) * channels + cc, mask=from_x, other=0.0)
-            ss = tl.load(S + srow * ssb + cc * ssc + (state_len + tl.minimum(src, -1))[:, None].to(tl.int64) * sst,
-                         mask=from_s, other=0.0)
-            x = tl.where(from_s, ss, xs).to(tl.float32)
-            w = tl.load(W + c * K + k, mask=cm, other=0.0).to(tl.float32)
-            acc = tl.fma(w[None, :], x, acc)
+        acc = _conv_taps_after_state(X + bos * channels, channels, 1, S + tl.maximum(seg, 0).to(tl.int64) * ssb, ssc,
+                                     sst, state_len, W, t, c, tm, cm, seg >= 0, acc, K)
         y = acc.to(Y.dtype.element_ty).to(tl.float32)
         out = _conv_out(Y, bos + t[:, None].to(tl.int64), c[None, :], channels, tokens.to(tl.int64), SPLIT)
         tl.store(out, _silu_f32(y).to(Y.dtype.element_ty), mask=tm[:, None] & cm[None, :])
@@ -615,16 +614,10 @@ def _is_silu(act) -> bool:
 def _equal_on(fn_a, fn_b, inputs) -> tuple[bool, float]:
     """Whether two callables give bitwise equal outputs on every input tuple; the largest
     absolute difference seen (0.0 when equal)."""
-    import torch
-
-    worst = 0.0
-    same = True
+    compare = Bitwise()
     for args in inputs:
-        a, b = fn_a(*args), fn_b(*args)
-        if not torch.equal(a, b):
-            same = False
-            worst = max(worst, float((a.float() - b.float()).abs().max()))
-    return same, worst
+        compare(fn_a(*args), fn_b(*args))
+    return compare.result
 
 
 def _check_variance(piece: str, width: int, check) -> tuple[bool, float, str]:

@@ -79,14 +79,9 @@ def check_grouped_heads(m, modeling, rnd, shapes, forward=grouped_heads_forward)
     largest difference)."""
     import torch
 
-    same, worst = True, 0.0
+    from openjev.engine.bitwise import Bitwise
 
-    def compare(want, got):
-        nonlocal same, worst
-        if not torch.equal(want, got):
-            same = False
-            worst = max(worst, float((want.float() - got.float()).abs().max()))
-
+    compare = Bitwise()
     for b, t in shapes:
         x = rnd(b, t, m.hidden_size)
         compare(type(m).forward(m, x), forward(m, x))
@@ -104,4 +99,4 @@ def check_grouped_heads(m, modeling, rnd, shapes, forward=grouped_heads_forward)
         got = rule(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
         for x, y in zip(want, got):
             compare(x, y)
-    return same, worst
+    return compare.result

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from openjev.common import UserError
 from openjev.engine.attention import PackedCalls, packed_forward
+from openjev.engine.bitwise import Bitwise
 from openjev.engine.transfer import to_device
 
 log = logging.getLogger("openjev.packed")
@@ -391,14 +392,7 @@ def check_packed_rule(rule, device, dtype, heads: int, k_heads: int, k_dim: int,
     beta = torch.rand(1, total, heads, generator=gen).to(device).to(dtype)
     rows = rnd(len(lengths), heads, k_dim, v_dim, scale=0.1)
     rec = torch.stack([rows[b] if b is not None else torch.zeros_like(rows[0]) for b in forward.segment_rows()[1]])
-    same, worst = True, 0.0
-
-    def compare(want, got):
-        nonlocal same, worst
-        if not torch.equal(want, got):
-            same = False
-            worst = max(worst, float((want.float() - got.float()).abs().max()))
-
+    compare = Bitwise()
     with torch.inference_mode():
         out = run_rule(rule, (q, k, v, g, beta), rec, forward, device)
         finals = forward.rec_states[0]
@@ -417,7 +411,7 @@ def check_packed_rule(rule, device, dtype, heads: int, k_heads: int, k_dim: int,
             if keep[b] is not None:
                 compare(h[0], finals[kept])
                 kept += 1
-    return same, worst
+    return compare.result
 
 
 def check_segment_conv(conv_segments, conv_rows, device, dtype, channels: int = 96, kernel: int = 4) -> tuple[bool, float]:
@@ -432,15 +426,12 @@ def check_segment_conv(conv_segments, conv_rows, device, dtype, channels: int = 
     w = (torch.randn(channels, kernel, generator=gen) * 0.5).to(device=device, dtype=dtype)
     states = torch.randn(len(lengths) + 1, channels, kernel, generator=gen).to(device=device, dtype=dtype)
     forward = PackedForward(lengths, [GDN_CHUNK if h else 0 for h in has], lengths, None, [0], [])
-    same, worst = True, 0.0
+    compare = Bitwise()
     with torch.inference_mode():
         got = conv_segments(x, w, forward.conv_tiles(device), states)
         for b, (n, bos) in enumerate(zip(lengths, forward.bos)):
-            want = conv_rows(x[None, bos:bos + n], w, states[b:b + 1] if has[b] else None)[0]
-            if not torch.equal(want, got[bos:bos + n]):
-                same = False
-                worst = max(worst, float((want.float() - got[bos:bos + n].float()).abs().max()))
-    return same, worst
+            compare(conv_rows(x[None, bos:bos + n], w, states[b:b + 1] if has[b] else None)[0], got[bos:bos + n])
+    return compare.result
 
 
 def packed_layout_record(clf, modeling, grouped: bool, conv_segments) -> dict:

@@ -19,6 +19,7 @@ import os
 
 from openjev.common import UserError
 from openjev.engine.attention import current_layout
+from openjev.engine.bitwise import Bitwise
 from openjev.engine.transfer import to_device
 
 log = logging.getLogger("openjev.packing")
@@ -84,17 +85,15 @@ def _check(m, device, dtype) -> tuple[bool, float]:
     import torch
 
     gen = torch.Generator(device="cpu").manual_seed(17)
-    worst, same = 0.0, True
+    compare = Bitwise()
     for lengths in CHECK_LENGTHS:
         width = max(lengths)
         x = torch.randn(len(lengths), width, m.down_proj.out_features, generator=gen).to(device=device, dtype=dtype)
         want = m.forward(x)
         got = packed_call(m.forward, x, real_token_index(lengths, width, x.device))
         for b, n in enumerate(lengths):
-            if not torch.equal(want[b, :n], got[b, :n]):
-                same = False
-                worst = max(worst, float((want[b, :n].float() - got[b, :n].float()).abs().max()))
-    return same, worst
+            compare(want[b, :n], got[b, :n])
+    return compare.result
 
 
 def install_packed_mlp(model, device, mode: str | None = None, check: bool = True) -> dict:
