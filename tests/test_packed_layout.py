@@ -235,4 +235,4 @@ def test_a_segment_rule_that_fails_at_load_keeps_padded_forwards(clf, monkeypatc
     monkeypatch.setattr(gdn_modeling(clf.model), "torch_chunk_gated_delta_rule", broken)
     monkeypatch.setattr(packed, "rule_takes_segments", lambda _rule: True)
     record = _engine(clf, 0, "on", monkeypatch).stats()["packed_layout"]
-    assert not record["used"] and record["reason"].startswith("fla's variable-length rule failed on cpu (no varlen here)")
+    assert not record["used"] and record["reason"].startswith("the fla varlen check failed on cpu (no varlen here)")

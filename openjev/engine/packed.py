@@ -456,32 +456,34 @@ def packed_layout_record(clf, modeling, grouped: bool, conv_segments) -> dict:
     rule = modeling.torch_chunk_gated_delta_rule
     m = next(x for x in clf.model.modules() if type(x).__name__.endswith("GatedDeltaNet"))
     dtype = next(clf.model.parameters()).dtype
-    if rule_takes_segments(rule):
-        try:
-            same, worst = check_packed_rule(rule, clf.device, dtype, m.num_v_heads,
-                                            m.num_k_heads if grouped else m.num_v_heads, m.head_k_dim, m.head_v_dim)
-        except Exception as exc:  # noqa: BLE001 - a rule that takes no segments here: padded forwards
-            return _refused(record, f"fla's variable-length rule failed on {clf.device} "
-                                    f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}): padded forwards")
-        record["rule"] = {"kind": "fla varlen", "bitwise": same}
-        if not same:
-            return _refused(record, f"fla's variable-length rule is not bitwise a call a segment on {clf.device} "
-                                    f"(max abs diff {worst:.3g}): padded forwards")
-    else:
-        record["rule"] = {"kind": "a call a segment (the rule takes no segments)"}
-    if conv_segments is not None:
+
+    def conv_rows(x, w, state):
         from openjev.engine.fused import conv_silu_blc
 
-        def conv_rows(x, w, state):
-            return conv_silu_blc(x, w, state=state if state is not None else torch.zeros_like(w)[None])
+        return conv_silu_blc(x, w, state=state if state is not None else torch.zeros_like(w)[None])
 
-        same, worst = check_segment_conv(conv_segments, conv_rows, clf.device, dtype)
-        record["conv"] = {"kind": "fused segments kernel", "bitwise": same}
+    # (record key, kind, what must hold, its check or None where nothing needs checking)
+    checks = (
+        ("rule", "fla varlen", "fla's variable-length rule is not bitwise a call a segment",
+         (lambda: check_packed_rule(rule, clf.device, dtype, m.num_v_heads, m.num_k_heads if grouped else m.num_v_heads,
+                                    m.head_k_dim, m.head_v_dim)) if rule_takes_segments(rule) else None,
+         "a call a segment (the rule takes no segments)"),
+        ("conv", "fused segments kernel", "the segments conv is not bitwise each row's conv",
+         (lambda: check_segment_conv(conv_segments, conv_rows, clf.device, dtype)) if conv_segments is not None else None,
+         "the modeling module's conv, a call a row"),
+    )
+    for key, kind, failed, check, otherwise in checks:
+        if check is None:
+            record[key] = {"kind": otherwise}
+            continue
+        try:
+            same, worst = check()
+        except Exception as exc:  # noqa: BLE001 - a kernel that does not run here: padded forwards
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            return _refused(record, f"the {kind} check failed on {clf.device} ({first}): padded forwards")
+        record[key] = {"kind": kind, "bitwise": same}
         if not same:
-            return _refused(record, f"the segments conv is not bitwise each row's conv on {clf.device} "
-                                    f"(max abs diff {worst:.3g}): padded forwards")
-    else:
-        record["conv"] = {"kind": "the modeling module's conv, a call a row"}
+            return _refused(record, f"{failed} on {clf.device} (max abs diff {worst:.3g}): padded forwards")
     record.update(used=True, reason="forwards from prefix states run the rows' tokens one after another, "
                                     "each token mixer row by row (checked bitwise on this device where it applies)")
     return record
