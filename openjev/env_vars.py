@@ -70,10 +70,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("OPENJEV_PACKED_MLP", "operator", "off", "the embedded backend",
            "on: a padded forward runs each MLP on its real tokens only, where a check at load finds that "
            "bitwise the padded rows (bitwise through the server on an H100; a warm prefix pass 6 % faster in process)"),
-    EnvVar("OPENJEV_PACKED_LAYOUT", "operator", "off", "the embedded backend",
-           "on: with --prefix-reuse, forwards from prefix states run the rows' tokens one after another (no "
-           "padding), each GDN conv and rule and each attention call row by row, where checks at load find fla's "
-           "variable-length rule and the segments conv bitwise each row's own calls (not yet run on a GPU)"),
+    EnvVar("OPENJEV_PACKED_LAYOUT", "operator", "auto", "the embedded backend",
+           "with --prefix-reuse, forwards from prefix states run the rows' tokens one after another (no padding), "
+           "each GDN conv and rule and each attention call row by row, where checks at load find fla's "
+           "variable-length rule and the segments conv bitwise each row's own calls; auto: where fla's rule runs "
+           "(a GPU; bitwise through the server on an H100, a flushed pass 18 % faster), on: also with Transformers' "
+           "PyTorch rule (slower on a CPU), off: padded forwards"),
     EnvVar("OPENJEV_COMPILE", "operator", "unset", "the embedded backend", "1: torch.compile of the norm and MLP modules instead"),
     EnvVar("OPENJEV_CUDNN", "operator", "unset", "the embedded backend", "1 keeps cuDNN on for GPU forwards"),
     EnvVar("OPENJEV_PADDED_ATTENTION", "operator", "rowwise", "the embedded backend",

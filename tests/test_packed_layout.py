@@ -138,12 +138,23 @@ def test_the_load_check_refuses_a_segment_rule_a_bit_off(clf, monkeypatch):
     assert step.padded_tokens > step.computed_tokens  # padded forwards
 
 
-def test_the_layout_is_off_by_default_and_a_typo_is_one_line(clf, monkeypatch):
+def test_by_default_only_a_rule_that_takes_segments_packs_and_a_typo_is_one_line(clf, monkeypatch):
+    """auto (the default): Transformers' PyTorch rule (this CPU) keeps padded forwards, a rule that takes
+    segments packs; off never packs."""
+    from openjev.engine.fused import gdn_modeling
+    from openjev_testsupport.segments_rule import segments_rule
+
     monkeypatch.delenv("OPENJEV_PACKED_LAYOUT", raising=False)
     record = PrefixEngine(clf, 0).stats()["packed_layout"]
-    assert record["requested"] == "off" and not record["used"] and "OPENJEV_PACKED_LAYOUT=off" in record["reason"]
+    assert record["requested"] == "auto" and not record["used"] and "takes no segments here" in record["reason"]
+    monkeypatch.setattr(gdn_modeling(clf.model), "torch_chunk_gated_delta_rule", segments_rule(_unwrapped(gdn_modeling(clf.model))))
+    monkeypatch.setattr(packed, "rule_takes_segments", lambda _rule: True)
+    assert PrefixEngine(clf, 0).stats()["packed_layout"]["used"]
+    monkeypatch.setenv("OPENJEV_PACKED_LAYOUT", "off")
+    record = PrefixEngine(clf, 0).stats()["packed_layout"]
+    assert not record["used"] and "OPENJEV_PACKED_LAYOUT=off" in record["reason"]
     monkeypatch.setenv("OPENJEV_PACKED_LAYOUT", "yes")
-    with pytest.raises(UserError, match="OPENJEV_PACKED_LAYOUT='yes': expected one of off, on"):
+    with pytest.raises(UserError, match="OPENJEV_PACKED_LAYOUT='yes': expected one of auto, off, on"):
         PrefixEngine(clf, 0)
 
 

@@ -1,4 +1,5 @@
-"""The prefix path's forwards in a packed layout (OPENJEV_PACKED_LAYOUT=on, opt-in).
+"""The prefix path's forwards in a packed layout (OPENJEV_PACKED_LAYOUT: auto, the default, packs where
+fla's variable-length rule runs, a GPU; on also elsewhere; off never).
 
 A padded forward (openjev/engine/prefix.py ContinuationForwards) runs every module on every
 position of a [rows, width] batch, padding included (the MLPs excepted, openjev/engine/packing.py).
@@ -17,7 +18,7 @@ row: the matrix products are row-independent (cuBLAS without a workspace), the c
 the rule the same chunks from the same states. Whether fla's variable-length call gives each
 segment the bits of its own call is checked on the device at load (`check_packed_rule`); the
 layout is used only where it does. With Transformers' PyTorch rule (a CPU) the rule runs a call a
-segment, which is each row's own call."""
+segment, which is each row's own call (slower there than one padded call: only with `on`)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from openjev.engine.transfer import to_device
 log = logging.getLogger("openjev.packed")
 
 PACKED_LAYOUT_ENV = "OPENJEV_PACKED_LAYOUT"
-PACKED_LAYOUT_MODES = ("off", "on")
+PACKED_LAYOUT_MODES = ("auto", "off", "on")
 GDN_CHUNK = 64
 # (length, start state?, kept tokens or None) of the check's segments: from scratch and from a state,
 # whole and keeping a state a chunk boundary before their end
@@ -41,7 +42,7 @@ CHECK_SEGMENTS = ((37, False, None), (200, True, 192), (129, False, 128), (64, T
 
 
 def packed_layout_mode(mode: str | None = None) -> str:
-    mode = mode or os.environ.get(PACKED_LAYOUT_ENV) or "off"
+    mode = mode or os.environ.get(PACKED_LAYOUT_ENV) or "auto"
     if mode not in PACKED_LAYOUT_MODES:
         raise UserError(f"{PACKED_LAYOUT_ENV}={mode!r}: expected one of {', '.join(PACKED_LAYOUT_MODES)}")
     return mode
@@ -454,6 +455,10 @@ def packed_layout_record(clf, modeling, grouped: bool, conv_segments) -> dict:
         record["reason"] = f"{PREFIX_ATTENTION_ENV}={prefix_attention_mode()} packs its own calls: padded forwards"
         return record
     rule = modeling.torch_chunk_gated_delta_rule
+    if mode == "auto" and not rule_takes_segments(rule):
+        record["reason"] = (f"{PACKED_LAYOUT_ENV}=auto: the GDN rule takes no segments here (Transformers' PyTorch "
+                            "rule would run a call a row): padded forwards")
+        return record
     m = next(x for x in clf.model.modules() if type(x).__name__.endswith("GatedDeltaNet"))
     dtype = next(clf.model.parameters()).dtype
 
