@@ -199,6 +199,17 @@ if triton is not None:
         tl.store(Y + out, _silu_f32(y).to(Y.dtype.element_ty), mask=tm[:, None] & cm[None, :])
 
     @triton.jit
+    def _conv_taps_inside(x_at, sxt, W, c, m, cm, acc, K: tl.constexpr):
+        # acc + the conv's taps at positions whose K - 1 inputs before them are all the row's own
+        # (x_at: each position's input; sxt: a position's stride): the taps of _conv_taps_after_state
+        # in the same order, without the state's loads
+        for k in tl.static_range(K):
+            x = tl.load(x_at - (K - 1 - k) * sxt, mask=m, other=0.0).to(tl.float32)
+            w = tl.load(W + c * K + k, mask=cm, other=0.0).to(tl.float32)
+            acc = tl.fma(w[None, :], x, acc)
+        return acc
+
+    @triton.jit
     def _conv_taps_after_state(XR, sxt, sxc, SR, ssc, sst, state_len, W, t, c, tm, cm, has_state, acc,
                                K: tl.constexpr):
         # acc + the conv's taps at positions t of one row whose inputs before its first are the last
@@ -237,11 +248,7 @@ if triton is not None:
         m = tm[:, None] & cm[None, :]
         acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
         if t0 >= K - 1:
-            x_at = X + b * sxb + (t[:, None] * sxt + c[None, :] * sxc)
-            for k in tl.static_range(K):
-                x = tl.load(x_at - (K - 1 - k) * sxt, mask=m, other=0.0).to(tl.float32)
-                w = tl.load(W + c * K + k, mask=cm, other=0.0).to(tl.float32)
-                acc = tl.fma(w[None, :], x, acc)
+            acc = _conv_taps_inside(X + b * sxb + (t[:, None] * sxt + c[None, :] * sxc), sxt, W, c, m, cm, acc, K)
         else:
             acc = _conv_taps_after_state(X + b * sxb, sxt, sxc, S + b * ssb, ssc, sst, state_len, W, t, c, tm, cm,
                                          True, acc, K)
@@ -272,8 +279,13 @@ if triton is not None:
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         tm, cm = t < n, c < channels
         acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-        acc = _conv_taps_after_state(X + bos * channels, channels, 1, S + tl.maximum(seg, 0).to(tl.int64) * ssb, ssc,
-                                     sst, state_len, W, t, c, tm, cm, seg >= 0, acc, K)
+        if t0 >= K - 1:  # the segment's own inputs alone
+            m = tm[:, None] & cm[None, :]
+            acc = _conv_taps_inside(X + (bos + t[:, None].to(tl.int64)) * channels + c[None, :], channels, W, c, m, cm,
+                                    acc, K)
+        else:
+            acc = _conv_taps_after_state(X + bos * channels, channels, 1, S + tl.maximum(seg, 0).to(tl.int64) * ssb,
+                                         ssc, sst, state_len, W, t, c, tm, cm, seg >= 0, acc, K)
         y = acc.to(Y.dtype.element_ty).to(tl.float32)
         out = _conv_out(Y, bos + t[:, None].to(tl.int64), c[None, :], channels, tokens.to(tl.int64), SPLIT)
         tl.store(out, _silu_f32(y).to(Y.dtype.element_ty), mask=tm[:, None] & cm[None, :])
