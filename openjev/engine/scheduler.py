@@ -349,9 +349,11 @@ class Engine:
         return float(cache.stats()[key]) if cache is not None else 0.0
 
     def serving_path(self) -> str:
-        """Which forwards answer: prefix-reuse (not bitwise the reference), or exact / padded (bitwise on the
-        GPUs measured, see docs/embedded_backend.md)."""
-        return "prefix-reuse" if self.prefix is not None else self.batching
+        """Which forwards answer: prefix-reuse with its forwards packed or padded (openjev/engine/packed.py),
+        or exact / padded (docs/embedded_backend.md says which are bitwise where)."""
+        if self.prefix is None:
+            return self.batching
+        return f"prefix-reuse ({'packed' if self.prefix.forwards.packed['used'] else 'padded'})"
 
     def stop(self) -> None:
         with self._cv:
