@@ -115,11 +115,6 @@ def padded_layout(lengths, starts=None, offset: int = 0, per_row_states: bool = 
 _PACKED: contextvars.ContextVar = contextvars.ContextVar("openjev_packed_forward", default=None)
 
 
-def current_packed():
-    """The packed forward running in this thread (openjev/engine/packed.py PackedForward), if any."""
-    return _PACKED.get()
-
-
 @contextlib.contextmanager
 def packed_forward(forward):
     """Declare the packed forward about to run in this thread (see PackedCalls)."""

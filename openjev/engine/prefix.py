@@ -20,7 +20,11 @@ do not go on from it; (3) each row runs from its best state to its end, and wher
 last chunk boundary (a multiple of 64 tokens) the state there is cached: the GDN rule runs to the
 boundary, then the rest (at most a chunk) from the state it kept, as a later forward from the cached
 state would. Every state sits on a chunk boundary of the GDN kernels, so the chunks a continuation
-runs are those of the exact forward."""
+runs are those of the exact forward.
+
+Where fla's variable-length rule runs (OPENJEV_PACKED_LAYOUT=auto, the default), the forwards are
+packed instead of padded: the rows' tokens one after another, each token mixer row by row
+(openjev/engine/packed.py); the same states at the same boundaries, no padding to make inert."""
 
 from __future__ import annotations
 
