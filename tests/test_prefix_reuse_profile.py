@@ -32,6 +32,7 @@ def test_a_forward_cost_sweep_cuts_the_same_rows_into_more_or_fewer_forwards(ove
     from openjev.engine.prefix import PREFIX_FORWARD_COST_TOKENS
 
     assert res["prefix_forward_cost_tokens"] == PREFIX_FORWARD_COST_TOKENS  # the engine's, recorded
+    assert res["packed_layout"]["requested"] == "auto" and not res["packed_layout"]["used"]  # a CPU: padded
     assert set(modes) == {"padded", "prefix_flushed@1", "prefix_warm@1", "prefix_flushed@100000", "prefix_warm@100000"}
     cheap, dear = modes["prefix_flushed@1"]["passes"][-1], modes["prefix_flushed@100000"]["passes"][-1]
     # the same rows and tokens computed either way; a cheap forward buys less padding with more forwards

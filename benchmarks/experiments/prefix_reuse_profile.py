@@ -65,7 +65,8 @@ def build_parser():
                         "PREFIX_FORWARD_ROWS and PREFIX_TAIL_FORWARD_ROWS)")
     p.add_argument("--forward-costs", type=positive_ints, default=[],
                    help="comma list of padded tokens one more forward is counted as when a phase's rows are cut into "
-                        "forwards, tail phases apart (default: the engine's PREFIX_FORWARD_COST_TOKENS); each value runs "
+                        "padded forwards, tail phases apart (default: the engine's PREFIX_FORWARD_COST_TOKENS; packed forwards, "
+                        "OPENJEV_PACKED_LAYOUT, are cut by rows and tokens alone); each value runs "
                         "the prefix modes again, named MODE@VALUE")
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--stacks", type=int, default=0, metavar="ROWS",
@@ -271,6 +272,7 @@ def main() -> int:
     print(f"{len(rows)} rows, {res['tokens']} tokens, {len(steps)} steps of {res['steps']} rows", flush=True)
     engines = {"prefix_flushed": PrefixEngine(clf, args.cache_mb << 20), "prefix_nocache": PrefixEngine(clf, 0)}
     engines["prefix_warm"] = engines["prefix_flushed"]
+    res["packed_layout"] = engines["prefix_flushed"].stats()["packed_layout"]  # packed forwards ignore the cost
     base = None
     engine_cost = prefix.PREFIX_FORWARD_COST_TOKENS  # the profile and the module comparison run with it
     costs = args.forward_costs or [engine_cost]
