@@ -22,6 +22,7 @@ segment, which is each row's own call (slower there than one padded call: only w
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -97,12 +98,13 @@ class PackedForward:
     conv_states: list = field(default_factory=list)   # per GDN layer: [kept rows, conv_dim, kernel]
     rec_states: list = field(default_factory=list)    # per GDN layer: [kept rows, heads, k, v]
     plans: dict = field(default_factory=dict)
+    varlen: bool = False         # the rule takes segments (fla's variable-length call): decided once a forward
 
     def __post_init__(self):
         self.attention = PackedCalls(self.lengths, self.starts, self.calls)
         self.gdn_order = {li: k for k, li in enumerate(self.linear)}
         self.attention_order = {li: k for k, li in enumerate(self.attention_layers)}
-        self.bos = [sum(self.lengths[:b]) for b in range(len(self.lengths))]
+        self.bos = [0, *itertools.accumulate(self.lengths)][:-1]
 
     @property
     def kept_rows(self) -> list[int]:
@@ -262,7 +264,7 @@ def run_rule(rule, inputs, rec, forward: PackedForward, device):
     seg = forward.segments(device)
     want = bool(forward.kept_rows)
     has_states = any(forward.starts)
-    if rule_takes_segments(rule):
+    if forward.varlen:
         out, final = rule(*inputs, initial_state=rec if has_states else None, output_final_state=want or seg.tails is not None,
                           use_qk_l2norm_in_kernel=True, cu_seqlens=seg.cu, cu_seqlens_cpu=seg.cu_cpu)
         if seg.tails is not None:
@@ -302,14 +304,15 @@ def run_packed(clf, linear: list, attention_layers: list, items: list, keep: lis
     model, dev = clf.model, clf.device
     lengths = [len(t) for _, t, _ in items]
     starts = [s.length if s is not None else 0 for s, _, _ in items]
-    forward = PackedForward(lengths, starts, [c for _, _, c in items], keep, linear, attention_layers)
+    modeling = gdn_modeling(model)
+    forward = PackedForward(lengths, starts, [c for _, _, c in items], keep, linear, attention_layers,
+                            varlen=rule_takes_segments(modeling.torch_chunk_gated_delta_rule))
     _start_states(forward, clf, starts_states)
     ids = torch.tensor([t for _, tokens, _ in items for t in tokens], dtype=torch.long)[None]
     pos = torch.cat([torch.arange(p, p + n) for p, n in zip(starts, lengths)])[None]
     pools = torch.tensor([bos + i for bos, i in zip(forward.bos, pool_positions([t for _, t, _ in items],
                                                                                 clf.pad_token_id))])
     ids, pos, pools = (to_device(t, dev) for t in (ids, pos, pools))
-    modeling = gdn_modeling(model)
     text = text_model(model)
     with torch.inference_mode(), packed_forward(forward):
         h = text.embed_tokens(ids)
@@ -385,7 +388,7 @@ def check_packed_rule(rule, device, dtype, heads: int, k_heads: int, k_dim: int,
     lengths = [n for n, _, _ in CHECK_SEGMENTS]
     starts = [GDN_CHUNK if has else 0 for _, has, _ in CHECK_SEGMENTS]
     keep = [k for _, _, k in CHECK_SEGMENTS]
-    forward = PackedForward(lengths, starts, [p + n for p, n in zip(starts, lengths)], keep, [0], [])
+    forward = PackedForward(lengths, starts, [p + n for p, n in zip(starts, lengths)], keep, [0], [], varlen=True)
     total = sum(lengths)
     q, k = rnd(1, total, k_heads, k_dim).to(dtype), rnd(1, total, k_heads, k_dim).to(dtype)
     v = rnd(1, total, heads, v_dim).to(dtype)
