@@ -86,9 +86,10 @@ def check_two_runs_make_two_entries_and_no_regression(history, fixtures):
         assert rec["server_config"]["profile"]["max_running_requests"] == 16
         for mode in ("cold", "warm"):
             assert (history / "runs" / n / "tune" / "scheduled" / f"S.{mode}.json").is_file()
-    # the same band as the runs were judged with (sched_args): the default 10 % is for quiet GPUs,
-    # not two shared CPU cores (a CI run measured +31 % between two identical runs)
-    r = run([PY, str(REPORT), "--history", str(history), "--rel-floor", "1.0", "--min-baseline-runs", "1"])
+    # this check is the report (table, exit 0, which runs are the baseline), not the band: two identical
+    # runs on two shared CPU cores have differed by +117 % (a CI warm median, 0.201 -> 0.436 s), so the
+    # band is set wide here; check_slower_server_setting_is_a_regression judges a real slowdown
+    r = run([PY, str(REPORT), "--history", str(history), "--rel-floor", "9.0", "--min-baseline-runs", "1"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "no regression" in r.stdout and "S/cold median_s" in r.stdout and "S/warm median_s" in r.stdout
     runs = bench_history.load_history(history)
