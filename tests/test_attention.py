@@ -503,3 +503,81 @@ def test_own_calls_on_a_gpu_are_bitwise_transformers_calls(monkeypatch):
             own = (inner(module, q, k, v, None, scaling=dim ** -0.5)[0] if p == 0
                    else attention.attend_after_prefix(inner, module, q, k, v, p, scaling=dim ** -0.5))
             assert torch.equal(out[j:j + 1, :n], own), (lengths, j, float((out[j:j + 1, :n] - own).abs().max()))
+
+
+
+PACKED_CALL_CASES = [
+    ([5, 70, 1, 64], [128, 0, 64, 192], None),  # rows with and without a prefix
+    ([3, 70, 64], [64, 0, 128], [200, 300, 257]),  # calls past the tokens
+    ([37, 300, 9], [0, 0, 0], None),  # no prefix: views of the packed queries
+]
+
+
+def _packed_calls(torch, inner, lengths, starts, calls, heads, kv_heads, dim, dtype, device):
+    """A packed forward's attention (PackedCalls) of random rows: the rows' tokens one after another,
+    queries, keys and values as Transformers' layer hands them (transposed views of [1, tokens, heads,
+    dim]), each row's prefix keys in the key buffers. (output, padded query, key, value, offset)."""
+    from types import SimpleNamespace
+
+    from openjev.engine import attention
+
+    offset = max(starts)
+    query, key, value = _rows(torch, lengths, offset, heads, kv_heads, dim, dtype, device)
+
+    def pack(x, at):
+        rows = torch.cat([x[j, :, at:at + n] for j, n in enumerate(lengths)], 1)
+        return rows.transpose(0, 1).contiguous().transpose(0, 1)[None]
+
+    calls_of = attention.PackedCalls(list(lengths), list(starts), list(calls or [n + p for n, p in zip(lengths, starts)]))
+    shape = (kv_heads, sum(p + n for p, n in zip(starts, lengths)), dim)
+    buffers = []
+    for x in (key, value):  # NaN where the layer writes its tokens' keys
+        buf = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        for j, (p, k0) in enumerate(zip(starts, calls_of.key_starts())):
+            buf[:, k0:k0 + p] = x[j, :, offset - p: offset]
+        buffers.append(buf)
+    module = attention._CheckModule(heads // kv_heads)
+    module.layer_idx = 0
+    forward = SimpleNamespace(key_buffers=lambda layer: tuple(buffers))
+    out = calls_of.attend(inner, module, pack(query, 0), pack(key, offset), pack(value, offset), forward,
+                          scaling=dim ** -0.5)
+    return out, query, key, value, offset
+
+
+@pytest.mark.parametrize("lengths,starts,calls", PACKED_CALL_CASES)
+def test_packed_calls_give_each_rows_own_call(lengths, starts, calls):
+    """PackedCalls on a CPU, float64: every row's outputs are its own call's by its definition, in the
+    rows' order, [1, tokens, heads, dim] contiguous as the layer reshapes it (a view, no copy)."""
+    torch = pytest.importorskip("torch")
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    heads, dim = 4, 8
+    out, query, key, value, offset = _packed_calls(torch, sdpa_attention_forward, lengths, starts, calls, heads, 2,
+                                                   dim, torch.float64, "cpu")
+    assert out.shape == (1, sum(lengths), heads, dim) and out.is_contiguous()
+    calls = calls or [n + p for n, p in zip(lengths, starts)]
+    definition = _own_call_definition(torch, query, key, value, lengths, starts, offset, calls, dim)
+    torch.testing.assert_close(out[0], torch.cat([definition[j, :n] for j, n in enumerate(lengths)]), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_packed_calls_on_a_gpu_are_bitwise_transformers_calls(monkeypatch):
+    """At Qwen3.5-4B's attention shape in FP16, PackedCalls (FlashAttention's op called directly on
+    token-major queries) gives every row the bits of Transformers' SDPA call of the row alone, rows
+    with and without a prefix."""
+    torch, attention, module = _own_calls_on_the_gpu(monkeypatch)
+    heads, kv_heads, dim = 16, 4, 256
+    inner = attention._INNER[0]
+    for lengths, starts in [([37, 300, 1, 64], [1280, 640, 896, 1408]), ([37, 3, 700, 1217], [1280, 64, 0, 0]),
+                            ([900, 130, 1500], [0, 0, 0])]:
+        out, query, key, value, offset = _packed_calls(torch, inner, lengths, starts, None, heads, kv_heads, dim,
+                                                       torch.float16, "cuda")
+        assert out.is_contiguous()
+        bos = 0
+        for j, (n, p) in enumerate(zip(lengths, starts)):
+            q = query[j:j + 1, :, :n]
+            k, v = key[j:j + 1, :, offset - p: offset + n], value[j:j + 1, :, offset - p: offset + n]
+            own = (inner(module, q, k, v, None, scaling=dim ** -0.5)[0] if p == 0
+                   else attention.attend_after_prefix(inner, module, q, k, v, p, scaling=dim ** -0.5))
+            assert torch.equal(out[:, bos:bos + n], own), (lengths, j, float((out[:, bos:bos + n] - own).abs().max()))
+            bos += n

@@ -270,20 +270,21 @@ class OwnCalls:
             self.plan = self._build(layout, width, query.device)
         direct, longer, total, q_src, q_dst, o_idx = self.plan
         off = layout.offset
-        if total:
+        if total:  # token-major, as the layer's queries are laid out: whole rows of heads copied
             if self.buffer is None:
-                self.buffer = query.new_zeros((heads, total, dim))
-            self.buffer[:, q_dst] = query.transpose(1, 2).reshape(rows * width, heads, dim)[q_src].transpose(0, 1)
+                self.buffer = query.new_zeros((total, heads, dim))
+            self.buffer[q_dst] = query.transpose(1, 2).reshape(rows * width, heads, dim)[q_src]
         scale = kwargs.get("scaling")
 
-        def call(j, n, p, at):  # -> [heads, n, dim]
-            q = self.buffer[None, :, at:at + p + n] if p else query[j:j + 1, :, :n]
+        def call(j, n, p, at):  # -> [n, heads, dim], as the kernels lay it out
+            q = self.buffer[at:at + p + n].transpose(0, 1)[None] if p else query[j:j + 1, :, :n]
             k, v = key[j:j + 1, :, off - p: off + n], value[j:j + 1, :, off - p: off + n]
             if self.flash is None:
                 self.flash = _flash_is_chosen(q, k, v, scale)
             if self.flash:
-                return torch._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[0][0, :, p:]
-            return inner(module, q, k, v, None, **kwargs)[0][0, p:].transpose(0, 1)
+                out = torch._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[0]
+                return out[0].transpose(0, 1)[p:]
+            return inner(module, q, k, v, None, **kwargs)[0][0, p:]
 
         parts = [call(*direct[0])] if direct else []  # the first call decides self.flash
         streams = side_streams(query.device) if self.flash and len(direct) > 2 else ()
@@ -292,7 +293,7 @@ class OwnCalls:
         else:
             parts += [call(*d) for d in direct[1:]]
         if parts:
-            out.view(rows * width, heads, out.shape[-1]).index_copy_(0, o_idx, torch.cat(parts, 1).transpose(0, 1))
+            out.view(rows * width, heads, out.shape[-1]).index_copy_(0, o_idx, torch.cat(parts))
         for j, n, p, c in longer:
             q, k, v = query[j:j + 1, :, :n], key[j:j + 1, :, off - p: off + n], value[j:j + 1, :, off - p: off + n]
             out[j:j + 1, :n] = attend_after_prefix(inner, module, q, k, v, p, call=c, **kwargs)
@@ -305,8 +306,9 @@ class PackedCalls:
     padded tensors. Each attention layer writes its new keys and values after each row's prefix keys
     in the forward's key buffers ([kv heads, keys, dim] a layer; a row's prefix then its tokens), and
     every row's call reads a view of them; queries of rows that go on from a prefix are placed after
-    their prefixes in one zeroed buffer a forward. Outputs come back in the rows' order: the packed
-    [1, tokens, heads, dim] output, no scatter."""
+    their prefixes in one zeroed token-major buffer a forward. Outputs come back in the rows' order,
+    token-major as the kernels write them: the packed [1, tokens, heads, dim] output, contiguous, no
+    scatter."""
 
     lengths: list
     starts: list
@@ -357,28 +359,29 @@ class PackedCalls:
         kbuf, vbuf = forward.key_buffers(module.layer_idx)
         kbuf.index_copy_(1, dst, key[0])
         vbuf.index_copy_(1, dst, value[0])
-        if total:
+        if total:  # token-major, as the layer's queries are laid out: whole rows of heads copied
             if self.buffer is None:
-                self.buffer = query.new_zeros((heads, total, dim))
-            self.buffer[:, q_dst] = query[0][:, q_src]
+                self.buffer = query.new_zeros((total, heads, dim))
+            self.buffer[q_dst] = query[0].transpose(0, 1)[q_src]
         scale = kwargs.get("scaling")
 
-        def call(n, p, c, bos, k0, at, longer):  # -> [heads, n, dim]
+        def call(n, p, c, bos, k0, at, longer):  # -> [n, heads, dim], as the kernels lay it out
             k, v = kbuf[None, :, k0:k0 + p + n], vbuf[None, :, k0:k0 + p + n]
             if longer:  # the whole row's call, longer than what this forward holds of it
                 q = query[:, :, bos:bos + n]
-                return attend_after_prefix(inner, module, q, k, v, p, call=c, **kwargs)[0].transpose(0, 1)
-            q = self.buffer[None, :, at:at + p + n] if p else query[:, :, bos:bos + n]
+                return attend_after_prefix(inner, module, q, k, v, p, call=c, **kwargs)[0]
+            q = self.buffer[at:at + p + n].transpose(0, 1)[None] if p else query[:, :, bos:bos + n]
             if self.flash is None:
                 self.flash = _flash_is_chosen(q, k, v, scale)
             if self.flash:
-                return torch._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[0][0, :, p:]
-            return inner(module, q, k, v, None, **kwargs)[0][0, p:].transpose(0, 1)
+                out = torch._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[0]
+                return out[0].transpose(0, 1)[p:]
+            return inner(module, q, k, v, None, **kwargs)[0][0, p:]
 
         parts = [call(*rows[0])]  # the first call decides self.flash
         streams = side_streams(query.device) if self.flash and len(rows) > 2 else ()
         parts += spread_over_streams(streams, call, rows[1:]) if streams else [call(*r) for r in rows[1:]]
-        return torch.cat(parts, 1).transpose(0, 1)[None]
+        return torch.cat(parts)[None]  # token-major: the layer's reshape to [1, tokens, heads * dim] is a view
 
 
 _THREAD = threading.local()  # this thread's side streams, by (device, count)
