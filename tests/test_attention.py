@@ -529,12 +529,13 @@ def _packed_calls(torch, inner, lengths, starts, calls, heads, kv_heads, dim, dt
         return rows.transpose(0, 1).contiguous().transpose(0, 1)[None]
 
     calls_of = attention.PackedCalls(list(lengths), list(starts), list(calls or [n + p for n, p in zip(lengths, starts)]))
-    shape = (kv_heads, sum(p + n for p, n in zip(starts, lengths)), dim)
+    shape = (kv_heads, sum(calls_of.key_spans()), dim)
     buffers = []
-    for x in (key, value):  # NaN where the layer writes its tokens' keys
+    for x in (key, value):  # NaN where the layer writes its tokens' keys, zeros past them in a longer call
         buf = torch.full(shape, float("nan"), dtype=dtype, device=device)
-        for j, (p, k0) in enumerate(zip(starts, calls_of.key_starts())):
+        for j, (n, p, k0, span) in enumerate(zip(lengths, starts, calls_of.key_starts(), calls_of.key_spans())):
             buf[:, k0:k0 + p] = x[j, :, offset - p: offset]
+            buf[:, k0 + p + n:k0 + span] = 0
         buffers.append(buf)
     module = attention._CheckModule(heads // kv_heads)
     module.layer_idx = 0
@@ -564,20 +565,22 @@ def test_packed_calls_give_each_rows_own_call(lengths, starts, calls):
 def test_packed_calls_on_a_gpu_are_bitwise_transformers_calls(monkeypatch):
     """At Qwen3.5-4B's attention shape in FP16, PackedCalls (FlashAttention's op called directly on
     token-major queries) gives every row the bits of Transformers' SDPA call of the row alone, rows
-    with and without a prefix."""
+    with and without a prefix, calls longer than a row's prefix and tokens (zeros after them) among them."""
     torch, attention, module = _own_calls_on_the_gpu(monkeypatch)
     heads, kv_heads, dim = 16, 4, 256
     inner = attention._INNER[0]
-    for lengths, starts in [([37, 300, 1, 64], [1280, 640, 896, 1408]), ([37, 3, 700, 1217], [1280, 64, 0, 0]),
-                            ([900, 130, 1500], [0, 0, 0])]:
-        out, query, key, value, offset = _packed_calls(torch, inner, lengths, starts, None, heads, kv_heads, dim,
+    for lengths, starts, calls in [([37, 300, 1, 64], [1280, 640, 896, 1408], None),
+                                   ([37, 3, 700, 1217], [1280, 64, 0, 0], [1317, 1000, 1300, 1217]),
+                                   ([900, 130, 1500], [0, 0, 0], None)]:
+        out, query, key, value, offset = _packed_calls(torch, inner, lengths, starts, calls, heads, kv_heads, dim,
                                                        torch.float16, "cuda")
         assert out.is_contiguous()
         bos = 0
         for j, (n, p) in enumerate(zip(lengths, starts)):
             q = query[j:j + 1, :, :n]
             k, v = key[j:j + 1, :, offset - p: offset + n], value[j:j + 1, :, offset - p: offset + n]
-            own = (inner(module, q, k, v, None, scaling=dim ** -0.5)[0] if p == 0
-                   else attention.attend_after_prefix(inner, module, q, k, v, p, scaling=dim ** -0.5))
+            c = calls[j] if calls else p + n
+            own = (inner(module, q, k, v, None, scaling=dim ** -0.5)[0] if p == 0 and c == n
+                   else attention.attend_after_prefix(inner, module, q, k, v, p, call=c, scaling=dim ** -0.5))
             assert torch.equal(out[:, bos:bos + n], own), (lengths, j, float((out[:, bos:bos + n] - own).abs().max()))
             bos += n

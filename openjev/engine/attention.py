@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import itertools
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -304,9 +305,10 @@ class PackedCalls:
     """Each row's own call in a packed forward (openjev/engine/packed.py): the rows' tokens one after
     another in [1, heads, tokens, dim] queries, keys and values, the calls OwnCalls makes from the
     padded tensors. Each attention layer writes its new keys and values after each row's prefix keys
-    in the forward's key buffers ([kv heads, keys, dim] a layer; a row's prefix then its tokens), and
-    every row's call reads a view of them; queries of rows that go on from a prefix are placed after
-    their prefixes in one zeroed token-major buffer a forward. Outputs come back in the rows' order,
+    in the forward's key buffers ([kv heads, keys, dim] a layer; a row's prefix, its tokens, then zeros
+    to its whole call's length where that is longer), and every row's call reads a view of them. The
+    queries of rows that go on from a prefix or whose call is longer are placed in one zeroed
+    token-major buffer a forward, each at its place in its call. Outputs come back in the rows' order,
     token-major as the kernels write them: the packed [1, tokens, heads, dim] output, contiguous, no
     scatter."""
 
@@ -317,29 +319,34 @@ class PackedCalls:
     plan: tuple | None = None
     buffer: object = None
 
+    def key_spans(self) -> list[int]:
+        """Each row's room in the key buffers: its whole call (its prefix and tokens, then zeros where
+        the call is longer than what this forward holds of the row)."""
+        return [max(c, p + n) for n, p, c in zip(self.lengths, self.starts, self.calls)]
+
     def key_starts(self) -> list[int]:
         """Where each row's keys begin in the key buffers."""
-        out, at = [], 0
-        for n, p in zip(self.lengths, self.starts):
-            out.append(at)
-            at += p + n
-        return out
+        return [0, *itertools.accumulate(self.key_spans())][:-1]
+
+    def zero_keys(self) -> bool:
+        """Whether some row's call runs past its tokens (its room's tail must be zeros)."""
+        return any(c > p + n for n, p, c in zip(self.lengths, self.starts, self.calls))
 
     def _build(self, device):
         """(new keys' places in the key buffers; query gather and scatter index, query buffer tokens;
-        per row: tokens, prefix, call, its first packed query, its first key, its query buffer start)"""
+        per row: tokens, prefix, call, its first packed query, its first key, its query buffer start
+        or None where its call reads the packed queries as they stand)"""
         import torch
 
-        ks = self.key_starts()
         dst, q_src, q_dst, rows, bos, total = [], [], [], [], 0, 0
-        for n, p, c, k0 in zip(self.lengths, self.starts, self.calls, ks):
+        for n, p, c, k0, span in zip(self.lengths, self.starts, self.calls, self.key_starts(), self.key_spans()):
             dst.append(torch.arange(k0 + p, k0 + p + n))
-            at, longer = None, c > p + n
-            if p and not longer:
+            at = None
+            if span > n:  # queries after a prefix or before zeros: in the buffer, zeros around them
                 q_src.append(torch.arange(bos, bos + n))
                 q_dst.append(torch.arange(total + p, total + p + n))
-                at, total = total, total + c
-            rows.append((n, p, c, bos, k0, at, longer))
+                at, total = total, total + span
+            rows.append((n, p, span, bos, k0, at))
             bos += n
 
         def index(parts):
@@ -349,7 +356,8 @@ class PackedCalls:
 
     def attend(self, inner, module, query, key, value, forward, **kwargs):
         """query [1, heads, tokens, dim], key/value [1, kv heads, tokens, dim] as Transformers' SDPA
-        function gets them; returns [1, tokens, heads, dim]."""
+        function gets them; returns [1, tokens, heads, dim]. A row whose call is longer than its prefix
+        and tokens makes it from zeros around them (attend_after_prefix's call)."""
         import torch
 
         _, heads, tokens, dim = query.shape
@@ -365,18 +373,15 @@ class PackedCalls:
             self.buffer[q_dst] = query[0].transpose(0, 1)[q_src]
         scale = kwargs.get("scaling")
 
-        def call(n, p, c, bos, k0, at, longer):  # -> [n, heads, dim], as the kernels lay it out
-            k, v = kbuf[None, :, k0:k0 + p + n], vbuf[None, :, k0:k0 + p + n]
-            if longer:  # the whole row's call, longer than what this forward holds of it
-                q = query[:, :, bos:bos + n]
-                return attend_after_prefix(inner, module, q, k, v, p, call=c, **kwargs)[0]
-            q = self.buffer[at:at + p + n].transpose(0, 1)[None] if p else query[:, :, bos:bos + n]
+        def call(n, p, span, bos, k0, at):  # -> [n, heads, dim], as the kernels lay it out
+            k, v = kbuf[None, :, k0:k0 + span], vbuf[None, :, k0:k0 + span]
+            q = self.buffer[at:at + span].transpose(0, 1)[None] if at is not None else query[:, :, bos:bos + n]
             if self.flash is None:
                 self.flash = _flash_is_chosen(q, k, v, scale)
             if self.flash:
                 out = torch._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[0]
-                return out[0].transpose(0, 1)[p:]
-            return inner(module, q, k, v, None, **kwargs)[0][0, p:]
+                return out[0].transpose(0, 1)[p:p + n]
+            return inner(module, q, k, v, None, **kwargs)[0][0, p:p + n]
 
         parts = [call(*rows[0])]  # the first call decides self.flash
         streams = side_streams(query.device) if self.flash and len(rows) > 2 else ()

@@ -347,9 +347,9 @@ def _start_states(forward: PackedForward, clf, states: list) -> None:
     text = clf.model.config.get_text_config()
     kv = text.num_key_value_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    total = sum(p + n for p, n in zip(forward.starts, forward.lengths))
-    shape = (len(forward.attention_layers), kv, total, head_dim)
-    keys, values = torch.empty(shape, dtype=dtype, device=dev), torch.empty(shape, dtype=dtype, device=dev)
+    shape = (len(forward.attention_layers), kv, sum(forward.attention.key_spans()), head_dim)
+    make = torch.zeros if forward.attention.zero_keys() else torch.empty
+    keys, values = make(shape, dtype=dtype, device=dev), make(shape, dtype=dtype, device=dev)
     for s, k0 in zip(states, forward.attention.key_starts()):
         if s is not None:
             keys[:, :, k0:k0 + s.length].copy_(s.keys)
