@@ -86,8 +86,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "varlen: with --prefix-reuse on a GPU, every row of a forward from prefix states in one FlashAttention "
            "varlen call a layer (faster; on an H100 a largest entailment-probability difference of 0.00295, over the 2e-3 goal); "
            "varlen-tails only in forwards that keep no state; varlen-exact only the rows whose own calls would not split "
-           "their keys, where a check at load finds that bitwise (bitwise through the server on an H100, not faster); "
-           "whole-row keeps each row's own call"),
+           "their keys, where a check at load finds that bitwise (padded forwards: bitwise through the server on an "
+           "H100, not faster; the packed layout: rows whose calls hold no zeros past their tokens, their queries only, "
+           "not yet run on a GPU); whole-row keeps each row's own call"),
     EnvVar("OPENJEV_ATTENTION_STREAMS", "operator", "4", "the embedded backend",
            "CUDA streams a padded forward's own attention calls (one a row and layer) are spread over, so that "
            "calls too small to fill the GPU run side by side (the same kernels on the same inputs: the same bits, "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from openjev_testsupport.varlen_reference import varlen_reference
+from openjev_testsupport.varlen_reference import varlen_by_own_calls, varlen_reference
 
 
 @pytest.fixture(autouse=True)
@@ -513,7 +513,7 @@ PACKED_CALL_CASES = [
 ]
 
 
-def _packed_calls(torch, inner, lengths, starts, calls, heads, kv_heads, dim, dtype, device):
+def _packed_calls(torch, inner, lengths, starts, calls, heads, kv_heads, dim, dtype, device, varlen=False):
     """A packed forward's attention (PackedCalls) of random rows: the rows' tokens one after another,
     queries, keys and values as Transformers' layer hands them (transposed views of [1, tokens, heads,
     dim]), each row's prefix keys in the key buffers. (output, padded query, key, value, offset)."""
@@ -528,7 +528,8 @@ def _packed_calls(torch, inner, lengths, starts, calls, heads, kv_heads, dim, dt
         rows = torch.cat([x[j, :, at:at + n] for j, n in enumerate(lengths)], 1)
         return rows.transpose(0, 1).contiguous().transpose(0, 1)[None]
 
-    calls_of = attention.PackedCalls(list(lengths), list(starts), list(calls or [n + p for n, p in zip(lengths, starts)]))
+    calls_of = attention.PackedCalls(list(lengths), list(starts), list(calls or [n + p for n, p in zip(lengths, starts)]),
+                                     varlen=varlen)
     shape = (kv_heads, sum(calls_of.key_spans()), dim)
     buffers = []
     for x in (key, value):  # NaN where the layer writes its tokens' keys, zeros past them in a longer call
@@ -542,7 +543,7 @@ def _packed_calls(torch, inner, lengths, starts, calls, heads, kv_heads, dim, dt
     forward = SimpleNamespace(key_buffers=lambda layer: tuple(buffers))
     out = calls_of.attend(inner, module, pack(query, 0), pack(key, offset), pack(value, offset), forward,
                           scaling=dim ** -0.5)
-    return out, query, key, value, offset
+    return out, query, key, value, offset, calls_of
 
 
 @pytest.mark.parametrize("lengths,starts,calls", PACKED_CALL_CASES)
@@ -553,8 +554,8 @@ def test_packed_calls_give_each_rows_own_call(lengths, starts, calls):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     heads, dim = 4, 8
-    out, query, key, value, offset = _packed_calls(torch, sdpa_attention_forward, lengths, starts, calls, heads, 2,
-                                                   dim, torch.float64, "cpu")
+    out, query, key, value, offset, _ = _packed_calls(torch, sdpa_attention_forward, lengths, starts, calls, heads, 2,
+                                                      dim, torch.float64, "cpu")
     assert out.shape == (1, sum(lengths), heads, dim) and out.is_contiguous()
     calls = calls or [n + p for n, p in zip(lengths, starts)]
     definition = _own_call_definition(torch, query, key, value, lengths, starts, offset, calls, dim)
@@ -572,8 +573,8 @@ def test_packed_calls_on_a_gpu_are_bitwise_transformers_calls(monkeypatch):
     for lengths, starts, calls in [([37, 300, 1, 64], [1280, 640, 896, 1408], None),
                                    ([37, 3, 700, 1217], [1280, 64, 0, 0], [1317, 1000, 1300, 1217]),
                                    ([900, 130, 1500], [0, 0, 0], None)]:
-        out, query, key, value, offset = _packed_calls(torch, inner, lengths, starts, calls, heads, kv_heads, dim,
-                                                       torch.float16, "cuda")
+        out, query, key, value, offset, _ = _packed_calls(torch, inner, lengths, starts, calls, heads, kv_heads, dim,
+                                                          torch.float16, "cuda")
         assert out.is_contiguous()
         bos = 0
         for j, (n, p) in enumerate(zip(lengths, starts)):
@@ -584,3 +585,66 @@ def test_packed_calls_on_a_gpu_are_bitwise_transformers_calls(monkeypatch):
                    else attention.attend_after_prefix(inner, module, q, k, v, p, call=c, scaling=dim ** -0.5))
             assert torch.equal(out[:, bos:bos + n], own), (lengths, j, float((out[:, bos:bos + n] - own).abs().max()))
             bos += n
+
+
+def test_packed_calls_share_a_varlen_call_for_rows_whose_own_calls_do_not_split(monkeypatch):
+    """PackedCalls with `varlen` (OPENJEV_PREFIX_ATTENTION=varlen-exact in the packed layout) on a CPU,
+    float64, the varlen kernel replaced by its row-at-a-time reference and a GPU of 5 multiprocessors
+    (4 heads split calls of up to 64 tokens): rows whose calls do not split and hold no zeros past
+    their tokens share the call, reading their keys where they lie in the key buffers (the others'
+    rooms as sequences with no queries); the rest keep their own calls; every row's output is its own
+    call's, in the rows' order."""
+    torch = pytest.importorskip("torch")
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from openjev.engine import attention
+
+    monkeypatch.setattr(attention, "packed_calls_allowed", lambda *_: True)
+    monkeypatch.setattr(attention, "varlen_flash", varlen_reference)
+    monkeypatch.setattr(attention, "device_sms", lambda _device: 5)
+    lengths, starts, calls = [3, 70, 64, 30, 5, 9], [64, 0, 128, 0, 0, 64], [67, 70, 192, 30, 200, 73]
+    heads, dim = 4, 8
+    out, query, key, value, offset, calls_of = _packed_calls(torch, sdpa_attention_forward, lengths, starts, calls,
+                                                             heads, 2, dim, torch.float64, "cpu", varlen=True)
+    assert calls_of.varlen_rows(query) == [0, 1, 2, 5]  # 30 tokens split; 200 holds zeros past its 5
+    q_index, cu_q, cu_k, max_q, max_k = calls_of.plan[5]
+    assert cu_q.tolist() == [0, 3, 73, 137, 137, 137, 146] and cu_k.tolist() == [0, 67, 137, 329, 359, 559, 632]
+    assert q_index.tolist() == list(range(137)) + list(range(172, 181)) and (max_q, max_k) == (70, 200)
+    assert out.shape == (1, sum(lengths), heads, dim) and out.is_contiguous()
+    definition = _own_call_definition(torch, query, key, value, lengths, starts, offset, calls, dim)
+    torch.testing.assert_close(out[0], torch.cat([definition[j, :n] for j, n in enumerate(lengths)]), rtol=0, atol=1e-12)
+    alone = attention.PackedCalls([3, 30], [64, 0], [67, 30], varlen=True)
+    assert alone.varlen_rows(query) == []  # one row would share the call: its own call
+
+
+def test_the_packed_varlen_check_passes_bits_and_refuses_a_unit_off(monkeypatch):
+    """packed_varlen_is_exact on a CPU (float64, 40 multiprocessors: 4 heads split calls of up to 960
+    tokens, as 16 heads do on 132): with a varlen call that is the
+    rows' own calls' bits it passes; one a unit in the last place off, or none that runs (a CPU), it
+    refuses, so each row keeps its own call."""
+    torch = pytest.importorskip("torch")
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from openjev.engine import attention
+
+    check = attention.packed_varlen_is_exact.__wrapped__  # past the per-process answer
+    probe = torch.empty((1, 4, 1, 8), dtype=torch.float64)
+    module = attention._CheckModule(2)
+    assert not check(probe, 2, sdpa_attention_forward)  # a CPU: no varlen call, nothing shared
+    monkeypatch.setattr(attention, "packed_calls_allowed", lambda *_: True)
+    monkeypatch.setattr(attention, "device_sms", lambda _device: 40)
+    exact = varlen_by_own_calls(sdpa_attention_forward, module)
+    monkeypatch.setattr(attention, "varlen_flash", exact)
+    assert check(probe, 2, sdpa_attention_forward)
+    monkeypatch.setattr(attention, "varlen_flash", lambda *a: torch.nextafter(exact(*a), torch.tensor(float("inf"))))
+    assert not check(probe, 2, sdpa_attention_forward)
+
+
+@pytest.mark.gpu
+def test_packed_varlen_on_a_gpu_is_bitwise_each_rows_own_call(monkeypatch):
+    """At Qwen3.5-4B's attention shape in FP16, the packed layout's varlen call (OPENJEV_PREFIX_ATTENTION=
+    varlen-exact) gives the rows whose own calls do not split their own calls' bits: the load check
+    passes."""
+    torch, attention, module = _own_calls_on_the_gpu(monkeypatch)
+    probe = torch.empty((1, 16, 1, 256), dtype=torch.float16, device="cuda")
+    assert attention.packed_varlen_is_exact.__wrapped__(probe, 4, attention._INNER[0])

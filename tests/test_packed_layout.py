@@ -247,3 +247,45 @@ def test_a_segment_rule_that_fails_at_load_keeps_padded_forwards(clf, monkeypatc
     monkeypatch.setattr(packed, "rule_takes_segments", lambda _rule: True)
     record = _engine(clf, 0, "on", monkeypatch).stats()["packed_layout"]
     assert not record["used"] and record["reason"].startswith("the fla varlen check failed on cpu (no varlen here)")
+
+
+def test_with_varlen_exact_unsplit_rows_share_a_varlen_call_where_the_check_finds_it_bitwise(clf, monkeypatch):
+    """OPENJEV_PREFIX_ATTENTION=varlen-exact with the packed layout, on a CPU with the varlen kernel
+    replaced by a stand-in that makes each row's own call and a GPU whose calls never split: the load
+    check passes, the rows share one varlen call a layer, and cold and warm steps give the logits and
+    states of each row's own calls bit for bit. A check that finds a difference keeps own calls."""
+    import torch
+
+    from openjev.engine import attention
+    from openjev_testsupport.varlen_reference import varlen_by_own_calls
+
+    text = clf.model.config.get_text_config()
+    module = attention._CheckModule(text.num_attention_heads // text.num_key_value_heads)
+    monkeypatch.setattr(attention, "packed_calls_allowed", lambda *_: True)
+    monkeypatch.setattr(attention, "device_sms", lambda _device: 1)
+    monkeypatch.setattr(attention, "packed_varlen_is_exact", attention.packed_varlen_is_exact.__wrapped__)
+    monkeypatch.setattr(attention, "varlen_flash", varlen_by_own_calls(attention._INNER[0], module))
+    shared = []
+    real = attention.PackedCalls._build
+    monkeypatch.setattr(attention.PackedCalls, "_build",
+                        lambda self, q: shared.append(len(self.varlen_rows(q))) or real(self, q))
+    rows = _rows(clf.vocab_size)
+    runs = {}
+    for mode in ("whole-row", "varlen-exact"):
+        monkeypatch.setenv("OPENJEV_PREFIX_ATTENTION", mode)
+        engine = _engine(clf, 64, "on", monkeypatch)
+        record = engine.stats()["packed_layout"]
+        assert record["used"] and record["attention"]["varlen"] == (mode == "varlen-exact"), record
+        shared.clear()
+        runs[mode] = engine, engine.run_step(rows, max_rows=8), engine.run_step(rows, max_rows=8)
+        assert (max(shared) > 1) == (mode == "varlen-exact"), shared
+    (own, cold_a, warm_a), (varlen, cold_b, warm_b) = runs["whole-row"], runs["varlen-exact"]
+    assert np.array_equal(cold_a.logits, cold_b.logits) and np.array_equal(warm_a.logits, warm_b.logits)
+    a, b = _states(own), _states(varlen)
+    assert set(a) == set(b) and a
+    for key in a:
+        for name in ("conv", "recurrent", "keys", "values"):
+            assert torch.equal(getattr(a[key], name), getattr(b[key], name)), name
+    monkeypatch.setattr(attention, "varlen_flash", lambda *args: varlen_by_own_calls(attention._INNER[0], module)(*args) * (1 + 2 ** -20))
+    record = _engine(clf, 0, "on", monkeypatch).stats()["packed_layout"]
+    assert record["used"] and not record["attention"]["varlen"] and "not the rows' own calls' bits" in record["attention"]["reason"]

@@ -318,6 +318,7 @@ class PackedCalls:
     flash: bool | None = None
     plan: tuple | None = None
     buffer: object = None
+    varlen: bool = False  # rows whose own calls do not split share one varlen call (checked at load)
 
     def key_spans(self) -> list[int]:
         """Each row's room in the key buffers: its whole call (its prefix and tokens, then zeros where
@@ -332,27 +333,52 @@ class PackedCalls:
         """Whether some row's call runs past its tokens (its room's tail must be zeros)."""
         return any(c > p + n for n, p, c in zip(self.lengths, self.starts, self.calls))
 
-    def _build(self, device):
+    def varlen_rows(self, query) -> list[int]:
+        """The rows that share the varlen call (with `varlen`, on a GPU): those whose own calls do not
+        split their keys and are their prefix and tokens, no zeros after them; none if under two."""
+        if not (self.varlen and packed_calls_allowed(query)):
+            return []
+        unsplit = set(unsplit_rows(self.calls, query))
+        rows = [b for b, (n, p, c) in enumerate(zip(self.lengths, self.starts, self.calls))
+                if b in unsplit and c == p + n]
+        return rows if len(rows) > 1 else []
+
+    def _build(self, query):
         """(new keys' places in the key buffers; query gather and scatter index, query buffer tokens;
         per row: tokens, prefix, call, its first packed query, its first key, its query buffer start
-        or None where its call reads the packed queries as they stand)"""
+        or None where its call reads the packed queries as they stand, its first output of the varlen
+        call or None where it makes its own call; the varlen call's query index (None: every token),
+        cu_q, cu_k, max_q, max_k, or None)"""
         import torch
 
-        dst, q_src, q_dst, rows, bos, total = [], [], [], [], 0, 0
-        for n, p, c, k0, span in zip(self.lengths, self.starts, self.calls, self.key_starts(), self.key_spans()):
+        device = query.device
+        shared = set(self.varlen_rows(query))
+        dst, q_src, q_dst, rows, bos, total, at_var = [], [], [], [], 0, 0, 0
+        for b, (n, p, k0, span) in enumerate(zip(self.lengths, self.starts, self.key_starts(), self.key_spans())):
             dst.append(torch.arange(k0 + p, k0 + p + n))
-            at = None
-            if span > n:  # queries after a prefix or before zeros: in the buffer, zeros around them
+            at, var = None, None
+            if b in shared:
+                var, at_var = at_var, at_var + n
+            elif span > n:  # queries after a prefix or before zeros: in the buffer, zeros around them
                 q_src.append(torch.arange(bos, bos + n))
                 q_dst.append(torch.arange(total + p, total + p + n))
                 at, total = total, total + span
-            rows.append((n, p, span, bos, k0, at))
+            rows.append((n, p, span, bos, k0, at, var))
             bos += n
 
         def index(parts):
             return to_device(torch.cat(parts), device) if parts else None
 
-        return index(dst), index(q_src), index(q_dst), total, rows
+        varlen = None
+        if shared:  # every row a sequence of the call, its keys its room; the others' no queries
+            def cu(sizes):
+                return to_device(torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.int32), device)
+
+            q_index = None if len(shared) == len(rows) else index(
+                [torch.arange(r[3], r[3] + r[0]) for r in rows if r[6] is not None])
+            varlen = (q_index, cu(n if b in shared else 0 for b, n in enumerate(self.lengths)), cu(self.key_spans()),
+                      max(self.lengths[b] for b in shared), max(self.key_spans()))
+        return index(dst), index(q_src), index(q_dst), total, rows, varlen
 
     def attend(self, inner, module, query, key, value, forward, **kwargs):
         """query [1, heads, tokens, dim], key/value [1, kv heads, tokens, dim] as Transformers' SDPA
@@ -362,8 +388,8 @@ class PackedCalls:
 
         _, heads, tokens, dim = query.shape
         if self.plan is None:
-            self.plan = self._build(query.device)
-        dst, q_src, q_dst, total, rows = self.plan
+            self.plan = self._build(query)
+        dst, q_src, q_dst, total, rows, varlen = self.plan
         kbuf, vbuf = forward.key_buffers(module.layer_idx)
         kbuf.index_copy_(1, dst, key[0])
         vbuf.index_copy_(1, dst, value[0])
@@ -372,6 +398,12 @@ class PackedCalls:
                 self.buffer = query.new_zeros((total, heads, dim))
             self.buffer[q_dst] = query[0].transpose(0, 1)[q_src]
         scale = kwargs.get("scaling")
+        shared = None
+        if varlen is not None:
+            q_index, cu_q, cu_k, max_q, max_k = varlen
+            q = query[0].transpose(0, 1)
+            shared = varlen_flash(q if q_index is None else q[q_index], kbuf.transpose(0, 1), vbuf.transpose(0, 1),
+                                  cu_q, cu_k, max_q, max_k, scale)
 
         def call(n, p, span, bos, k0, at):  # -> [n, heads, dim], as the kernels lay it out
             k, v = kbuf[None, :, k0:k0 + span], vbuf[None, :, k0:k0 + span]
@@ -383,9 +415,13 @@ class PackedCalls:
                 return out[0].transpose(0, 1)[p:p + n]
             return inner(module, q, k, v, None, **kwargs)[0][0, p:p + n]
 
-        parts = [call(*rows[0])]  # the first call decides self.flash
-        streams = side_streams(query.device) if self.flash and len(rows) > 2 else ()
-        parts += spread_over_streams(streams, call, rows[1:]) if streams else [call(*r) for r in rows[1:]]
+        own = [r[:6] for r in rows if r[6] is None]
+        parts = [call(*own[0])] if own else []  # the first call decides self.flash
+        streams = side_streams(query.device) if self.flash and len(own) > 2 else ()
+        parts += spread_over_streams(streams, call, own[1:]) if streams else [call(*r) for r in own[1:]]
+        if shared is not None:
+            made = iter(parts)
+            parts = [shared[r[6]:r[6] + r[0]] if r[6] is not None else next(made) for r in rows]
         return torch.cat(parts)[None]  # token-major: the layer's reshape to [1, tokens, heads * dim] is a view
 
 
@@ -716,6 +752,13 @@ def check_batching(text_config, device, dtype) -> bool | None:
     return batched_rows_are_exact(*_head_probe(text_config, device, dtype), _INNER[0])
 
 
+def check_packed_varlen(text_config, device, dtype) -> bool:
+    """At load, with OPENJEV_PREFIX_ATTENTION=varlen-exact and the packed layout: whether a packed
+    forward's varlen call is the rows' own calls' bits on `device` (packed_varlen_is_exact, on the
+    model's head shape)."""
+    return bool(_INNER) and packed_varlen_is_exact(*_head_probe(text_config, device, dtype), _INNER[0])
+
+
 def _head_probe(text_config, device, dtype):
     """An empty [1, heads, 1, head size] query of the model's attention shape, and its key-value heads."""
     import torch
@@ -788,9 +831,7 @@ def unsplit_varlen_is_exact(query, kv_heads, inner) -> bool:
 
     module = _CheckModule(query.shape[1] // kv_heads)
     scaling = query.shape[3] ** -0.5
-    sms = device_sms(query.device)
-    t0 = 1 + next(n for n in range(64, 1 << 16, 64)
-                  if attention_class(n + 1, query.shape[1], query.shape[3], sms)[2] == 0)  # shortest unsplit call
+    t0 = _shortest_unsplit_call(query)
     forwards = []  # (whole lengths, prefixes, tokens run, per-row states)
     for whole, prefixes, keep in (([t0 + 1, 1100, 1601, 1500, t0 + 127], [None] * 5, False),
                                   ([t0, 1217, 1409], [128, 576, 704], False),
@@ -824,6 +865,67 @@ def unsplit_varlen_is_exact(query, kv_heads, inner) -> bool:
         log.warning("OPENJEV_PREFIX_ATTENTION=varlen-exact: one varlen call is not the rows' own calls' bits "
                     "on this GPU: each row keeps its own call")
     return ok
+
+
+def _shortest_unsplit_call(query) -> int:
+    """Just past the longest call of whole 64-token tiles that splits its keys on query's GPU at its
+    head shape: the shortest call length the checks use for rows that do not split."""
+    sms = device_sms(query.device)
+    return 1 + next(n for n in range(64, 1 << 16, 64) if attention_class(n + 1, query.shape[1], query.shape[3], sms)[2] == 0)
+
+
+@once_per_shape
+def packed_varlen_is_exact(query, kv_heads, inner) -> bool:
+    """Whether, on this device, the varlen call of a packed forward (PackedCalls with `varlen`) gives
+    the rows it takes their own calls' bits: random rows of a warm pass's tails, of longer tails and of
+    rows from no prefix, rows whose calls split (their own calls, no queries in the varlen call) among
+    them, each compared with the same forward's own calls."""
+    import torch
+
+    if not packed_calls_allowed(query):  # no varlen kernel here (a CPU): nothing to share
+        return False
+    heads, dim = query.shape[1], query.shape[3]
+    module = _CheckModule(heads // kv_heads)
+    module.layer_idx = 0
+    t0 = _shortest_unsplit_call(query)
+    gen = torch.Generator(device=query.device).manual_seed(0)
+    ok, shared = True, False
+    try:
+        with torch.inference_mode():
+            for whole, starts in (([t0 + 1, 300, 1100, 1601, 90, t0 + 127], None),
+                                  ([t0, 1217, 1409, 640], [128, 576, 704, 0]),
+                                  ([1100, 1601, t0 + 100], [0, 0, 0])):
+                starts = [min(p, (n - 1) // 64 * 64) for n, p in zip(whole, starts or whole)]
+                lengths = [c - p for c, p in zip(whole, starts)]
+
+                def rand(*shape):
+                    return torch.randn(shape, device=query.device, dtype=query.dtype, generator=gen)
+
+                q, k, v = rand(sum(lengths), heads, dim), rand(sum(lengths), kv_heads, dim), rand(sum(lengths), kv_heads, dim)
+                buffers = (rand(kv_heads, sum(whole), dim), rand(kv_heads, sum(whole), dim))
+                outs = []
+                for varlen in (True, False):
+                    calls = PackedCalls(list(lengths), list(starts), list(whole), varlen=varlen)
+                    bufs = tuple(b.clone() for b in buffers)
+                    forward = _CheckBuffers(bufs)
+                    outs.append(calls.attend(inner, module, *(x.transpose(0, 1)[None] for x in (q, k, v)), forward,
+                                             scaling=dim ** -0.5))
+                    shared = shared or (varlen and calls.plan[5] is not None)
+                ok = ok and torch.equal(*outs)
+    except Exception as exc:  # noqa: BLE001 - no varlen call here
+        log.info("a packed forward's varlen call is not available: %s", str(exc).splitlines()[0] if str(exc) else exc)
+        ok = False
+    return ok and shared
+
+
+@dataclass
+class _CheckBuffers:
+    """What PackedCalls reads from a packed forward: its key buffers."""
+
+    keys: tuple
+
+    def key_buffers(self, layer_idx: int):
+        return self.keys
 
 
 class _CheckModule:

@@ -99,9 +99,10 @@ class PackedForward:
     rec_states: list = field(default_factory=list)    # per GDN layer: [kept rows, heads, k, v]
     plans: dict = field(default_factory=dict)
     varlen: bool = False         # the rule takes segments (fla's variable-length call): decided once a forward
+    varlen_attention: bool = False  # unsplit rows share a varlen attention call (packed_attention_record)
 
     def __post_init__(self):
-        self.attention = PackedCalls(self.lengths, self.starts, self.calls)
+        self.attention = PackedCalls(self.lengths, self.starts, self.calls, varlen=self.varlen_attention)
         self.gdn_order = {li: k for k, li in enumerate(self.linear)}
         self.attention_order = {li: k for k, li in enumerate(self.attention_layers)}
         self.bos = [0, *itertools.accumulate(self.lengths)][:-1]
@@ -294,7 +295,7 @@ def run_rule(rule, inputs, rec, forward: PackedForward, device):
 
 
 def run_packed(clf, linear: list, attention_layers: list, items: list, keep: list | None, starts_states: list,
-               segment_conv, grouped: bool):
+               segment_conv, grouped: bool, varlen_attention: bool = False):
     """One packed forward of `items` ((start PrefixState or None, tokens to run, whole row's length)):
     (logits [rows, labels] on the device, the PackedForward with what its layers kept)."""
     import torch
@@ -306,7 +307,8 @@ def run_packed(clf, linear: list, attention_layers: list, items: list, keep: lis
     starts = [s.length if s is not None else 0 for s, _, _ in items]
     modeling = gdn_modeling(model)
     forward = PackedForward(lengths, starts, [c for _, _, c in items], keep, linear, attention_layers,
-                            varlen=rule_takes_segments(modeling.torch_chunk_gated_delta_rule))
+                            varlen=rule_takes_segments(modeling.torch_chunk_gated_delta_rule),
+                            varlen_attention=varlen_attention)
     _start_states(forward, clf, starts_states)
     ids = torch.tensor([t for _, tokens, _ in items for t in tokens], dtype=torch.long)[None]
     pos = torch.cat([torch.arange(p, p + n) for p, n in zip(starts, lengths)])[None]
@@ -454,7 +456,7 @@ def packed_layout_record(clf, modeling, grouped: bool, conv_segments) -> dict:
     if not rowwise_in_force(clf.model):
         record["reason"] = "attention does not run row by row (OPENJEV_PADDED_ATTENTION=masked): padded forwards"
         return record
-    if prefix_attention_mode() != "whole-row":
+    if prefix_attention_mode() not in ("whole-row", "varlen-exact"):
         record["reason"] = f"{PREFIX_ATTENTION_ENV}={prefix_attention_mode()} packs its own calls: padded forwards"
         return record
     rule = modeling.torch_chunk_gated_delta_rule
@@ -492,9 +494,29 @@ def packed_layout_record(clf, modeling, grouped: bool, conv_segments) -> dict:
         record[key] = {"kind": kind, "bitwise": same}
         if not same:
             return _refused(record, f"{failed} on {clf.device} (max abs diff {worst:.3g}): padded forwards")
+    record["attention"] = packed_attention_record(clf)
     record.update(used=True, reason="forwards from prefix states run the rows' tokens one after another, "
                                     "each token mixer row by row (checked bitwise on this device where it applies)")
     return record
+
+
+def packed_attention_record(clf) -> dict:
+    """How a packed forward's attention layers call FlashAttention: each row its own whole-row call
+    or, with OPENJEV_PREFIX_ATTENTION=varlen-exact where the check finds it their bits, the rows whose
+    own calls do not split in one varlen call a layer (attention.PackedCalls)."""
+    from openjev.engine.attention import check_packed_varlen
+    from openjev.engine.kernels import PREFIX_ATTENTION_ENV, prefix_attention_mode
+
+    own = "each row's own call"
+    if prefix_attention_mode() != "varlen-exact":
+        return {"kind": own, "varlen": False}
+    if check_packed_varlen(clf.model.config.get_text_config(), clf.device, clf.model.dtype):
+        return {"kind": "one varlen call a layer for the rows whose own calls do not split", "varlen": True,
+                "bitwise_on_check": True}
+    reason = (f"{PREFIX_ATTENTION_ENV}=varlen-exact: a packed forward's varlen call is not the rows' own calls' "
+              f"bits on {clf.device}: each row's own call")
+    log.warning("%s", reason)
+    return {"kind": own, "varlen": False, "bitwise_on_check": False, "reason": reason}
 
 
 def _refused(record: dict, reason: str) -> dict:

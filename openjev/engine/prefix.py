@@ -320,7 +320,8 @@ class ContinuationForwards:
         if keep is None and want_states:
             keep = [len(t) for _, t, _ in items]
         logits, forward = run_packed(self.clf, self.linear, self.attention, items, keep,
-                                     [s for s, _, _ in items], self.segment_conv, self.grouped)
+                                     [s for s, _, _ in items], self.segment_conv, self.grouped,
+                                     self.packed["attention"]["varlen"])
         if keep is None or not any(k is not None for k in keep):
             return logits, None
         with self.torch.profiler.record_function("openjev.prefix.states"):
