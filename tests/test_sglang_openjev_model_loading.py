@@ -56,8 +56,11 @@ def probe(tmp_path_factory):
 
         env.setdefault("OPENJEV_SGL_CPU_OPS", "standin")
         cpu_runtime.configure_environment(env)
-    proc = subprocess.run([sys.executable, __file__, "--probe", str(out)], capture_output=True, text=True, env=env,
-                          cwd=REPO, timeout=600)
+    for _ in range(3):  # the probe's distributed port is free when picked, but another process may take it first
+        proc = subprocess.run([sys.executable, __file__, "--probe", str(out)], capture_output=True, text=True, env=env,
+                              cwd=REPO, timeout=600)
+        if "EADDRINUSE" not in proc.stderr:
+            break
     report = out / "report.json"
     assert proc.returncode == 0 and report.exists(), f"probe failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
     return json.loads(report.read_text())
