@@ -26,8 +26,11 @@
 #                    torch.profiler tables of a flushed and a warm pass, module outputs of the rows
 #                    PREFIX_DIVERGENCE_ROWS (default 49,95,71,1) against their exact forwards
 #                    (results/prefix_profile_SET/, or _MODE for each OPENJEV_PADDED_ATTENTION mode in
-#                    PADDED_ATTENTION_MODES, e.g. "rowwise shared", other than the default rowwise); first the GPU tests of
-#                    tests/test_prefix_reuse.py, tests/test_attention.py and tests/test_packing.py
+#                    PADDED_ATTENTION_MODES, e.g. "rowwise shared", other than the default rowwise); first the
+#                    gpu_tests stage's tests
+#   gpu_tests        the prefix path's GPU tests (PREFIX_GPU_TESTS: tests/test_prefix_reuse.py,
+#                    tests/test_attention.py, tests/test_packing.py, tests/test_packed_layout.py, tests/test_fused.py
+#                    -m gpu), alone: the kernels and calls the packed layout's load checks rely on
 #   embedded_prefix_baseline  embedded_prefix with openjev/ from BASELINE (a tarball of `git archive COMMIT
 #                    openjev`, e.g. carried in .carry/): the same-lease "before" of a change, receipts tagged _baseline
 #   prefix_passes    in process, no profiler: PREFIX_PASSES (5) flushed and warm passes of prefix reuse for each set,
@@ -292,9 +295,16 @@ stage_prefix_passes() {  # in process, no profiler: flushed and warm passes of t
   done
 }
 
+PREFIX_GPU_TESTS=${PREFIX_GPU_TESTS:-tests/test_prefix_reuse.py tests/test_attention.py tests/test_packing.py tests/test_packed_layout.py tests/test_fused.py}
+
+stage_gpu_tests() {  # shellcheck disable=SC2086 # PREFIX_GPU_TESTS is a word list
+  "$PY" -m pytest -q -p no:cacheprovider -m gpu $PREFIX_GPU_TESTS 2>&1 | tee "$R/prefix_gpu_tests.txt"
+  return "${PIPESTATUS[0]}"
+}
+
 stage_prefix_profile() {
   local s set m dir
-  "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_prefix_reuse.py tests/test_attention.py tests/test_packing.py 2>&1 | tee "$R/prefix_gpu_tests.txt"
+  stage_gpu_tests
   for s in $SETS; do
     set=$(set_path "$s") || return 1
     for m in ${PADDED_ATTENTION_MODES:-rowwise}; do
@@ -308,8 +318,9 @@ stage_prefix_profile() {
 
 export REPO PY W R SITE SETS REPS SHAPE MODEL LABEL SGLANG_ARGS VARIANT_ARGS VARIANT_ENV VARIANT_TAG VARIANT_MODES
 export TUNE_SETS TUNE_PROFILES TUNE_DEADLINE TO PACK PREFIX_CACHE_MB PREFIX_DIVERGENCE_ROWS PADDED_ATTENTION_MODES BASELINE PREFIX_PASSES
+export PREFIX_GPU_TESTS
 export -f log code pack free_port set_path wait_healthy bench server_info run_sglang stage_setup stage_prep stage_sglang_cache \
-  stage_sglang_uncached stage_ssm_fp16 stage_embedded stage_embedded_prefix stage_prefix_profile stage_variant stage_native_ops stage_divergence stage_tune \
+  stage_sglang_uncached stage_ssm_fp16 stage_embedded stage_embedded_prefix stage_gpu_tests stage_prefix_profile stage_variant stage_native_ops stage_divergence stage_tune \
   baseline_tree stage_embedded_prefix_baseline stage_prefix_passes
 # shellcheck disable=SC2086 # STAGES is a word list
 run_stages ${STAGES:-setup prep sglang_cache sglang_uncached embedded}
