@@ -394,14 +394,16 @@ def conv_silu_blc(x, w, state=None, split: int = 0):
 
 
 CONV_SEGMENT_BLOCK = (32, 64)  # (positions, channels) a program of the segments kernel
+CONV_SEGMENT_WARPS = 4
 
 
-def conv_segment_tiles(lengths, states, device, block_t: int = CONV_SEGMENT_BLOCK[0]):
+def conv_segment_tiles(lengths, states, device):
     """The [tiles, 4] int32 table of conv_silu_segments for segments of `lengths` packed one after the
     other, `states[i]` the row of the start-state tensor segment i reads before its first token (or
-    None: zeros); built once a forward, shared by its GDN layers."""
+    None: zeros); built once a forward, shared by its GDN layers, for the CONV_SEGMENT_BLOCK in force."""
     import torch
 
+    block_t = CONV_SEGMENT_BLOCK[0]
     table, bos = [], 0
     for n, s in zip(lengths, states):
         table += [(-1 if s is None else s, t0, bos, n) for t0 in range(0, n, block_t)]
@@ -426,7 +428,7 @@ def conv_silu_segments(x, w, tiles, states=None, split: int = 0):
     s = states if states is not None else x.new_zeros((1, channels, w.shape[-1]))
     _conv_silu_segments_kernel[(tiles.shape[0], triton.cdiv(channels, block_c))](
         x, s, w.contiguous(), y, tiles, channels, tokens, s.shape[-1], *s.stride(),
-        K=w.shape[-1], BLOCK_T=block_t, BLOCK_C=block_c, num_warps=CONV_STATE_WARPS, SPLIT=split)
+        K=w.shape[-1], BLOCK_T=block_t, BLOCK_C=block_c, num_warps=CONV_SEGMENT_WARPS, SPLIT=split)
     if not split:
         return y
     n = tokens * split
