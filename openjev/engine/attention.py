@@ -353,8 +353,9 @@ class PackedCalls:
 
         device = query.device
         shared = set(self.varlen_rows(query))
+        spans = self.key_spans()
         dst, q_src, q_dst, rows, bos, total, at_var = [], [], [], [], 0, 0, 0
-        for b, (n, p, k0, span) in enumerate(zip(self.lengths, self.starts, self.key_starts(), self.key_spans())):
+        for b, (n, p, k0, span) in enumerate(zip(self.lengths, self.starts, [0, *itertools.accumulate(spans)], spans)):
             dst.append(torch.arange(k0 + p, k0 + p + n))
             at, var = None, None
             if b in shared:
@@ -376,8 +377,8 @@ class PackedCalls:
 
             q_index = None if len(shared) == len(rows) else index(
                 [torch.arange(r[3], r[3] + r[0]) for r in rows if r[6] is not None])
-            varlen = (q_index, cu(n if b in shared else 0 for b, n in enumerate(self.lengths)), cu(self.key_spans()),
-                      max(self.lengths[b] for b in shared), max(self.key_spans()))
+            varlen = (q_index, cu(n if b in shared else 0 for b, n in enumerate(self.lengths)), cu(spans),
+                      max(self.lengths[b] for b in shared), max(spans))
         return index(dst), index(q_src), index(q_dst), total, rows, varlen
 
     def attend(self, inner, module, query, key, value, forward, **kwargs):

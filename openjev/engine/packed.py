@@ -98,7 +98,7 @@ class PackedForward:
     conv_states: list = field(default_factory=list)   # per GDN layer: [kept rows, conv_dim, kernel]
     rec_states: list = field(default_factory=list)    # per GDN layer: [kept rows, heads, k, v]
     plans: dict = field(default_factory=dict)
-    varlen: bool = False         # the rule takes segments (fla's variable-length call): decided once a forward
+    varlen_rule: bool = False       # the GDN rule takes segments (fla's variable-length call): decided once a forward
     varlen_attention: bool = False  # unsplit rows share a varlen attention call (packed_attention_record)
 
     def __post_init__(self):
@@ -265,7 +265,7 @@ def run_rule(rule, inputs, rec, forward: PackedForward, device):
     seg = forward.segments(device)
     want = bool(forward.kept_rows)
     has_states = any(forward.starts)
-    if forward.varlen:
+    if forward.varlen_rule:
         out, final = rule(*inputs, initial_state=rec if has_states else None, output_final_state=want or seg.tails is not None,
                           use_qk_l2norm_in_kernel=True, cu_seqlens=seg.cu, cu_seqlens_cpu=seg.cu_cpu)
         if seg.tails is not None:
@@ -307,7 +307,7 @@ def run_packed(clf, linear: list, attention_layers: list, items: list, keep: lis
     starts = [s.length if s is not None else 0 for s, _, _ in items]
     modeling = gdn_modeling(model)
     forward = PackedForward(lengths, starts, [c for _, _, c in items], keep, linear, attention_layers,
-                            varlen=rule_takes_segments(modeling.torch_chunk_gated_delta_rule),
+                            varlen_rule=rule_takes_segments(modeling.torch_chunk_gated_delta_rule),
                             varlen_attention=varlen_attention)
     _start_states(forward, clf, starts_states)
     ids = torch.tensor([t for _, tokens, _ in items for t in tokens], dtype=torch.long)[None]
@@ -390,7 +390,7 @@ def check_packed_rule(rule, device, dtype, heads: int, k_heads: int, k_dim: int,
     lengths = [n for n, _, _ in CHECK_SEGMENTS]
     starts = [GDN_CHUNK if has else 0 for _, has, _ in CHECK_SEGMENTS]
     keep = [k for _, _, k in CHECK_SEGMENTS]
-    forward = PackedForward(lengths, starts, [p + n for p, n in zip(starts, lengths)], keep, [0], [], varlen=True)
+    forward = PackedForward(lengths, starts, [p + n for p, n in zip(starts, lengths)], keep, [0], [], varlen_rule=True)
     total = sum(lengths)
     q, k = rnd(1, total, k_heads, k_dim).to(dtype), rnd(1, total, k_heads, k_dim).to(dtype)
     v = rnd(1, total, heads, v_dim).to(dtype)
